@@ -1,0 +1,1 @@
+"""The server side: broker configuration, rounds, aggregation, evaluation, and the simulation driver."""

@@ -1,0 +1,114 @@
+"""`broker-coordinator`: the server-side command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from edgefl_protocol import algorithms, topics
+from models import partition
+
+
+def _bounded(kind: type, low: float, high: float | None = None):  # noqa: ANN202
+    def parse(text: str):  # noqa: ANN202
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if value < low or (high is not None and value > high):
+            span = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {span}")
+        return value
+    return parse
+
+
+def _partition(text: str) -> str:
+    try:
+        partition.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _name(text: str) -> str:
+    try:
+        return topics.check_name("federation", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="broker-coordinator",
+        description="EdgeFL coordinator: runs federated rounds over a Mosquitto broker.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser(
+        "simulate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="run a whole federation on this machine (private broker, one process per agent)",
+        description="Start a private Mosquitto on a free loopback port with generated credentials and ACL, "
+                    "spawn one agent process per device with its own data shard, and run the rounds. "
+                    "Prints one line per round and writes history.json and accuracy.png into --out.")
+    sim.add_argument("--agents", type=_bounded(int, 1, 500), default=10, help="number of agent processes")
+    sim.add_argument("--rounds", type=_bounded(int, 1, 100000), default=20, help="federated rounds")
+    sim.add_argument("--dataset", default="mnist5k",
+                     help="mnist5k, digits, or synthetic[:ALPHA,BETA] (FedProx Synthetic, default 1,1)")
+    sim.add_argument("--partition", type=_partition, default=None,
+                     help="iid, dirichlet:A, shards:K or natural; default dirichlet:0.3 (natural for synthetic)")
+    sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
+    sim.add_argument("--clients-per-round", type=_bounded(int, 0), default=0, help="0 = every online agent")
+    sim.add_argument("--local-epochs", type=_bounded(int, 1, 1000), default=2)
+    sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=32)
+    sim.add_argument("--lr", type=_bounded(float, 1e-9, 100.0), default=0.05, help="local learning rate")
+    sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=0.0, help="local SGD momentum")
+    sim.add_argument("--round-timeout", type=_bounded(float, 1.0), default=300.0,
+                     help="seconds a round waits for updates")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for results and run files")
+    sim.add_argument("--federation", type=_name, default="sim")
+    sim.add_argument("--broker-port", type=_bounded(int, 0, 65535), default=0, help="0 = a free port")
+    sim.add_argument("--mosquitto", default=None, help="path to the mosquitto binary (default: search PATH, /usr/sbin)")
+    sim.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from .coordinator import RoundSettings  # torch import is slow; keep --help fast
+    from .simulate import SimulationSpec, simulate
+
+    default_partition = "natural" if args.dataset.startswith("synthetic") else "dirichlet:0.3"
+    spec = SimulationSpec(agents=args.agents, rounds=args.rounds, dataset=args.dataset,
+                          partition=args.partition or default_partition, seed=args.seed, out=args.out,
+                          federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto)
+    settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
+                             local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
+                             momentum=args.momentum, round_timeout=args.round_timeout)
+    simulate(spec, settings, echo=lambda line: print(line, flush=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from edgefl_protocol.settings import ConfigError
+    from edgefl_protocol.transport import BrokerUnavailable
+    from models.datasets import DatasetError
+
+    from .broker import BrokerError
+
+    try:
+        if args.command == "simulate":
+            return run_simulate(args)
+    except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, ValueError, TimeoutError, OSError) as exc:
+        print(f"broker-coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("broker-coordinator: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

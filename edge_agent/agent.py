@@ -1,0 +1,139 @@
+"""The agent's MQTT session: wait for a task, fetch the model, train, publish.
+
+paho's network thread only decodes and queues; training runs on the main
+thread so the session keeps answering keepalives while the CPU is busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import zlib
+
+import torch
+
+from edgefl_protocol import algorithms, codec, messages, topics
+from edgefl_protocol.errors import Rejected
+from edgefl_protocol.transport import connect, make_client
+from models.architectures import build_model, get_weights, set_weights
+from models.datasets import load_npz
+
+from .config import AgentConfig
+from .training import LocalSettings, train_locally
+
+log = logging.getLogger("edge_agent")
+MAX_MODEL_BYTES = 64 * 1024 * 1024
+MAX_MODEL_VALUES = 16 * 1024 * 1024
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.fed, self.device = config.device.federation, config.device.id
+        self.data = load_npz(config.device.data)
+        self.tasks: queue.Queue[messages.Task] = queue.Queue(maxsize=16)
+        self.models: dict[int, messages.ModelRelease] = {}
+        self.models_changed = threading.Condition()
+        self.stopping = threading.Event()
+        self.algorithm_state: dict = {}
+        self.client = make_client(self.device, config.broker.username, config.broker.password)
+        self.client.will_set(topics.status(self.fed, self.device), self._status("offline"), qos=1, retain=True)
+        self.client.on_connect = self._on_connect
+        self.client.on_message = self._on_message
+        threads = config.device.threads or max(1, (os.cpu_count() or 2) - 1)
+        torch.set_num_threads(threads)
+
+    def _status(self, state: str) -> bytes:
+        profile = {"cores": os.cpu_count() or 1, "samples": len(self.data)}
+        return messages.encode("status", messages.Status(self.device, state, profile))
+
+    # paho callbacks (network thread) -------------------------------------------------
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
+        if reason_code.is_failure:
+            log.error("broker refused %s: %s", self.device, reason_code)
+            return
+        client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1)])
+        client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
+        log.info("connected as %s", self.device)
+
+    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+        try:
+            if msg.topic == topics.task(self.fed, self.device):
+                task = messages.decode_task(msg.payload)
+                self.tasks.put_nowait(task)
+            elif (version := topics.parse_model_topic(msg.topic)) is not None and msg.payload:
+                release = messages.decode_model(msg.payload, MAX_MODEL_BYTES)
+                if release.version != version:
+                    raise Rejected("schema", f"model topic says version {version}, message says {release.version}")
+                with self.models_changed:
+                    self.models = {v: m for v, m in self.models.items() if v > version - 2}
+                    self.models[version] = release
+                    self.models_changed.notify_all()
+        except Rejected as exc:
+            log.warning("ignored message on %s: %s", msg.topic, exc)
+        except queue.Full:
+            log.warning("task queue full; dropped a task on %s", msg.topic)
+
+    # main thread --------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
+        connect(self.client, self.config.broker.host, self.config.broker.port, self.config.broker.keepalive)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    task = self.tasks.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                self._handle(task)
+        finally:
+            info = self.client.publish(topics.status(self.fed, self.device), self._status("offline"), qos=1, retain=True)
+            info.wait_for_publish(timeout=5)
+            self.client.disconnect()
+            self.client.loop_stop()
+        log.info("stopped")
+        return 0
+
+    def _wait_for_model(self, version: int, deadline: float) -> messages.ModelRelease | None:
+        with self.models_changed:
+            while version not in self.models:
+                remaining = deadline - time.time()
+                if remaining <= 0 or self.stopping.is_set():
+                    return None
+                self.models_changed.wait(min(remaining, 0.5))
+            return self.models[version]
+
+    def _handle(self, task: messages.Task) -> None:
+        if time.time() > task.deadline:
+            log.warning("round %d: task arrived after its deadline; skipped", task.round)
+            return
+        release = self._wait_for_model(task.model_version, task.deadline)
+        if release is None:
+            log.warning("round %d: model version %d never arrived; skipped", task.round, task.model_version)
+            return
+        try:
+            algorithm = algorithms.get(task.algorithm)
+            model = build_model(release.arch)
+            set_weights(model, codec.decode(release.body, codec.specs_of(get_weights(model)), MAX_MODEL_VALUES))
+        except (ValueError, Rejected) as exc:
+            log.error("round %d: cannot use task: %s", task.round, exc)
+            return
+        hp = task.hparams
+        settings = LocalSettings(
+            epochs=int(hp.get("local_epochs", 2)), batch_size=int(hp.get("batch_size", 32)),
+            lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
+            weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)),
+        )
+        rule = algorithm.client(hp, task.broadcast, self.algorithm_state)
+        seed = zlib.crc32(f"{self.device}/{task.round}".encode())
+        result = train_locally(model, self.data, rule, settings, seed)
+        update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
+                                 codec.encode(result.delta, task.codec))
+        info = self.client.publish(topics.update(self.fed, self.device), messages.encode("update", update), qos=1)
+        info.wait_for_publish(timeout=max(1.0, task.deadline - time.time()))
+        log.info("round %d: sent update (%d samples, loss %.4f, %.2f s)", task.round, result.num_samples,
+                 result.metrics["train_loss"], result.metrics["train_seconds"])

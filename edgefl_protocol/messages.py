@@ -1,0 +1,157 @@
+"""Message schemas. Every message is one msgpack map:
+
+    {"schema": 1, "kind": "task" | "update" | "model" | "status", ...header fields...,
+     "body": <bytes or absent>}
+
+Tensors ride in `body` as separately encoded bytes (see `codec`), so a
+signature or a compressor can wrap exactly those bytes later without changing
+the header. `decode_*` functions validate types and ranges and raise
+`Rejected` with a reason; they never trust the sender.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from . import SCHEMA_VERSION
+from .errors import Rejected
+from .topics import check_name
+
+Scalar = int | float | str | bool
+MAX_HEADER_FIELDS = 64
+
+
+@dataclass
+class Task:
+    """The coordinator's order to one device for one round."""
+
+    round: int
+    model_version: int
+    deadline: float  # unix seconds
+    algorithm: str
+    hparams: dict[str, Scalar] = field(default_factory=dict)
+    broadcast: dict[str, Scalar] = field(default_factory=dict)
+    codec: str = "float32"
+
+
+@dataclass
+class Update:
+    """A device's answer: the model delta plus what it measured."""
+
+    device: str
+    round: int
+    model_version: int
+    num_samples: int
+    metrics: dict[str, Scalar]
+    body: bytes  # codec-encoded delta (and any algorithm tensors)
+
+
+@dataclass
+class ModelRelease:
+    """One global model version, published once and retained."""
+
+    version: int
+    arch: str
+    body: bytes
+
+
+@dataclass
+class Status:
+    device: str
+    state: str  # "online" | "offline"
+    profile: dict[str, Scalar] = field(default_factory=dict)
+
+
+def encode(kind: str, message: Any) -> bytes:
+    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **asdict(message)}, use_bin_type=True)
+
+
+def _unpack(data: bytes, kind: str, max_bytes: int) -> dict[str, Any]:
+    if len(data) > max_bytes:
+        raise Rejected("oversized", f"{kind} message of {len(data)} bytes exceeds the cap of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=MAX_HEADER_FIELDS)
+    except Exception as exc:
+        raise Rejected("malformed", f"{kind} message is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise Rejected("malformed", f"{kind} message must be a map")
+    if obj.get("schema") != SCHEMA_VERSION:
+        raise Rejected("schema", f"schema version {obj.get('schema')!r} is not {SCHEMA_VERSION}")
+    if obj.get("kind") != kind:
+        raise Rejected("schema", f"expected a {kind} message, got kind {obj.get('kind')!r}")
+    return obj
+
+
+def _field(obj: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    value = obj.get(name)
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        value = None  # bool is an int subclass; never accept it where a number is meant
+    if not isinstance(value, types):
+        raise Rejected("schema", f"field {name!r} is missing or has the wrong type")
+    return value
+
+
+def _scalars(obj: dict[str, Any], name: str) -> dict[str, Scalar]:
+    value = obj.get(name, {})
+    if not isinstance(value, dict) or len(value) > MAX_HEADER_FIELDS:
+        raise Rejected("schema", f"field {name!r} must be a map of at most {MAX_HEADER_FIELDS} scalars")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, (int, float, str, bool)):
+            raise Rejected("schema", f"field {name!r} must map names to scalars")
+        if isinstance(item, float) and not math.isfinite(item):
+            raise Rejected("non_finite", f"{name}[{key!r}] is not finite")
+    return value
+
+
+def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
+    obj = _unpack(data, "task", max_bytes)
+    return Task(
+        round=_field(obj, "round", int),
+        model_version=_field(obj, "model_version", int),
+        deadline=float(_field(obj, "deadline", (int, float))),
+        algorithm=_field(obj, "algorithm", str),
+        hparams=_scalars(obj, "hparams"),
+        broadcast=_scalars(obj, "broadcast"),
+        codec=_field(obj, "codec", str),
+    )
+
+
+def decode_update(data: bytes, max_bytes: int) -> Update:
+    obj = _unpack(data, "update", max_bytes)
+    device = _field(obj, "device", str)
+    try:
+        check_name("device", device)
+    except ValueError as exc:
+        raise Rejected("schema", str(exc)) from None
+    update = Update(
+        device=device,
+        round=_field(obj, "round", int),
+        model_version=_field(obj, "model_version", int),
+        num_samples=_field(obj, "num_samples", int),
+        metrics=_scalars(obj, "metrics"),
+        body=_field(obj, "body", bytes),
+    )
+    if update.num_samples <= 0:
+        raise Rejected("schema", f"num_samples must be positive, got {update.num_samples}")
+    return update
+
+
+def decode_model(data: bytes, max_bytes: int) -> ModelRelease:
+    obj = _unpack(data, "model", max_bytes)
+    return ModelRelease(
+        version=_field(obj, "version", int),
+        arch=_field(obj, "arch", str),
+        body=_field(obj, "body", bytes),
+    )
+
+
+def decode_status(data: bytes, max_bytes: int = 65536) -> Status:
+    obj = _unpack(data, "status", max_bytes)
+    state = _field(obj, "state", str)
+    if state not in ("online", "offline"):
+        raise Rejected("schema", f"status state must be online or offline, got {state!r}")
+    return Status(device=_field(obj, "device", str), state=state, profile=_scalars(obj, "profile"))

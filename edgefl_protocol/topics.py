@@ -1,0 +1,70 @@
+"""MQTT topic names, in one place.
+
+    edgefl/<fed>/model/<version>      retained: the global model of that version
+    edgefl/<fed>/device/<id>/task     the device's work for a round
+    edgefl/<fed>/device/<id>/update   the device's answer (only it may write)
+    edgefl/<fed>/device/<id>/status   retained: online/offline and hardware profile
+
+The broker ACL (see broker_coordinator.broker) follows this layout with `%u`
+patterns, so a device id is also its broker user name.
+"""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "edgefl"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Federation and device names become topic levels: no wildcards, no '/'."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"invalid {kind} name {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def model(fed: str, version: int) -> str:
+    return f"{ROOT}/{fed}/model/{version}"
+
+
+def models(fed: str) -> str:
+    return f"{ROOT}/{fed}/model/+"
+
+
+def task(fed: str, device: str) -> str:
+    return f"{ROOT}/{fed}/device/{device}/task"
+
+
+def update(fed: str, device: str) -> str:
+    return f"{ROOT}/{fed}/device/{device}/update"
+
+
+def status(fed: str, device: str) -> str:
+    return f"{ROOT}/{fed}/device/{device}/status"
+
+
+def all_updates(fed: str) -> str:
+    return f"{ROOT}/{fed}/device/+/update"
+
+
+def all_statuses(fed: str) -> str:
+    return f"{ROOT}/{fed}/device/+/status"
+
+
+def parse_device_topic(topic: str) -> tuple[str, str, str] | None:
+    """`edgefl/<fed>/device/<id>/<kind>` -> (fed, id, kind); None for anything else."""
+    parts = topic.split("/")
+    if len(parts) != 5 or parts[0] != ROOT or parts[2] != "device":
+        return None
+    return parts[1], parts[3], parts[4]
+
+
+def parse_model_topic(topic: str) -> int | None:
+    parts = topic.split("/")
+    if len(parts) != 4 or parts[0] != ROOT or parts[2] != "model" or not parts[3].isdigit():
+        return None
+    return int(parts[3])

@@ -1,0 +1,1 @@
+"""CPU-sized architectures, datasets and partitioners, shared by both sides."""
