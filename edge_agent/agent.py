@@ -23,6 +23,7 @@ from models.architectures import build_model, get_weights, set_weights
 from models.datasets import load_npz
 
 from .config import AgentConfig
+from .state import DeviceState
 from .training import LocalSettings, train_locally
 
 log = logging.getLogger("edge_agent")
@@ -39,7 +40,7 @@ class Agent:
         self.models: dict[int, messages.ModelRelease] = {}
         self.models_changed = threading.Condition()
         self.stopping = threading.Event()
-        self.algorithm_state: dict = {}
+        self.state = DeviceState(config.device.state_dir)
         self.client = make_client(self.device, config.broker.username, config.broker.password)
         self.client.will_set(topics.status(self.fed, self.device), self._status("offline"), qos=1, retain=True)
         self.client.on_connect = self._on_connect
@@ -128,12 +129,15 @@ class Agent:
             lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
             weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)),
         )
-        rule = algorithm.client(hp, task.broadcast, self.algorithm_state)
+        rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name))
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         result = train_locally(model, self.data, rule, settings, seed)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
                                  codec.encode(result.delta, task.codec))
         info = self.client.publish(topics.update(self.fed, self.device), messages.encode("update", update), qos=1)
+        self.state.data["last_round"] = task.round
+        self.state.data["last_model_version"] = task.model_version
+        self.state.save()  # once per round: algorithm state, residuals, progress
         info.wait_for_publish(timeout=max(1.0, task.deadline - time.time()))
         log.info("round %d: sent update (%d samples, loss %.4f, %.2f s)", task.round, result.num_samples,
                  result.metrics["train_loss"], result.metrics["train_seconds"])
