@@ -32,6 +32,16 @@ def _partition(text: str) -> str:
     return text
 
 
+def _hparam(text: str) -> tuple[str, float | str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, float(value)
+    except ValueError:
+        return key, value
+
+
 def _name(text: str) -> str:
     try:
         return topics.check_name("federation", text)
@@ -57,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--partition", type=_partition, default=None,
                      help="iid, dirichlet:A, shards:K or natural; default dirichlet:0.3 (natural for synthetic)")
     sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
+    sim.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
+                     help="algorithm hyper-parameter over its defaults (repeatable), e.g. rho=0.1 or sam_every=2")
     sim.add_argument("--clients-per-round", type=_bounded(int, 0), default=0, help="0 = every online agent")
     sim.add_argument("--local-epochs", type=_bounded(int, 1, 1000), default=2)
     sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=32)
@@ -83,7 +95,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                           federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto)
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
-                             momentum=args.momentum, round_timeout=args.round_timeout)
+                             momentum=args.momentum, round_timeout=args.round_timeout, hparams=dict(args.hparam))
     simulate(spec, settings, echo=lambda line: print(line, flush=True))
     return 0
 

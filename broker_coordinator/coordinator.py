@@ -15,6 +15,7 @@ caller's thread, so no locks guard the model.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
 import time
@@ -52,7 +53,11 @@ class RoundSettings:
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
-        algorithms.get(self.algorithm)
+        algorithm = algorithms.get(self.algorithm)
+        unknown = sorted(set(self.hparams) - set(algorithm.defaults))
+        if unknown:
+            raise ValueError(f"{self.algorithm} has no hyper-parameter {', '.join(unknown)}; "
+                             f"it takes {', '.join(sorted(algorithm.defaults)) or 'none'}")
         checks = [
             (self.clients_per_round >= 0, "clients_per_round must be >= 0 (0 = all online devices)"),
             (self.local_epochs >= 1, "local_epochs must be >= 1"),
@@ -90,6 +95,7 @@ class RoundRecord:
     seconds: float
     rejected: dict[str, int]
     closed: str  # "complete" | "deadline" | "abandoned"
+    devices: dict[str, dict[str, Any]] = field(default_factory=dict)  # device -> what it reported (signals)
 
 
 class Coordinator:
@@ -102,12 +108,13 @@ class Coordinator:
         self.model = build_model(arch, seed)
         self.weights = get_weights(self.model)
         self.specs = codec.specs_of(self.weights)
-        self.max_values = sum(a.size for a in self.weights.values())
-        self.max_update_bytes = 4 * self.max_values + 64 * 1024
         self.test_set = test_set
         self.version = 0
         self.algorithm = algorithms.get(settings.algorithm)
         self.server_rule = self.algorithm.server(settings.task_hparams(1))
+        self.extra_specs = self.server_rule.extra_specs(self.specs)  # algorithm tensors sent beside the delta
+        self.max_values = sum(math.prod(s) for s in {**self.specs, **self.extra_specs}.values())
+        self.max_update_bytes = 4 * self.max_values + 64 * 1024
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.rejections: Counter[str] = Counter()
@@ -180,7 +187,8 @@ class Coordinator:
 
     # rounds -------------------------------------------------------------------------
     def _publish_model(self) -> None:
-        release = messages.ModelRelease(self.version, self.arch, codec.encode(self.weights, "float32"))
+        tensors = {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
+        release = messages.ModelRelease(self.version, self.arch, codec.encode(tensors, "float32"))
         self.client.publish(topics.model(self.fed, self.version), messages.encode("model", release),
                             qos=1, retain=True).wait_for_publish(timeout=30)
         if self.version > 0:  # clear the previous version's retained copy
@@ -191,7 +199,8 @@ class Coordinator:
         s = self.settings
         online = sorted(self.online)
         k = len(online) if s.clients_per_round == 0 else min(s.clients_per_round, len(online))
-        cohort = set(self.rng.sample(online, k))
+        self.server_rule.start_round(round_no, len(online))
+        cohort = set(self.server_rule.choose_cohort(online, k, self.rng))
         self._publish_model()
         deadline = started + s.round_timeout
         task = messages.Task(round_no, self.version, deadline, s.algorithm, s.task_hparams(round_no),
@@ -201,6 +210,8 @@ class Coordinator:
             self.client.publish(topics.task(self.fed, device), payload, qos=1)
 
         aggregate = StreamingMean(self.specs)
+        extras = StreamingMean(self.extra_specs) if self.extra_specs else None  # uniform mean
+        reported: dict[str, dict[str, Any]] = {}
         answered: set[str] = set()
         bytes_up = 0
         rejected_before = Counter(self.rejections)
@@ -219,12 +230,16 @@ class Coordinator:
                     raise Rejected("duplicate", f"{device} already answered round {round_no}")
                 if arrived > deadline:
                     raise Rejected("late", f"round {round_no} closed at {time.strftime('%H:%M:%S', time.localtime(deadline))}")
-                delta = codec.decode(update.body, self.specs, self.max_values)
+                tensors = codec.decode(update.body, {**self.specs, **self.extra_specs}, self.max_values)
                 weight = self.server_rule.weight(update.num_samples, update.metrics)
             except Rejected as exc:
                 self._reject(device, exc.reason, exc.detail)
                 return
-            aggregate.add(delta, weight)
+            aggregate.add({name: tensors[name] for name in self.specs}, weight)
+            if extras is not None:
+                extras.add({name: tensors[name] for name in self.extra_specs}, 1.0)
+            self.server_rule.observe(device, update.num_samples, update.metrics)
+            reported[device] = {"num_samples": update.num_samples, **update.metrics}
             answered.add(device)
             bytes_up += len(data)
 
@@ -233,7 +248,8 @@ class Coordinator:
 
         closed = "complete" if answered == cohort else "deadline"
         if aggregate.count >= s.min_updates:
-            self.weights = self.server_rule.new_global(self.weights, aggregate.mean())
+            self.weights = self.server_rule.new_global(self.weights, aggregate.mean(),
+                                                       extras.mean() if extras is not None else None)
             self.version += 1
             set_weights(self.model, self.weights)
         else:
@@ -243,7 +259,7 @@ class Coordinator:
         accuracy, loss = evaluate(self.model, self.test_set)
         new_rejections = self.rejections - rejected_before
         return RoundRecord(round_no, aggregate.count, len(cohort), accuracy, loss, bytes_up,
-                           time.time() - started, dict(new_rejections), closed)
+                           time.time() - started, dict(new_rejections), closed, reported)
 
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:

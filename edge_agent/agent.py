@@ -17,6 +17,7 @@ import zlib
 import torch
 
 from edgefl_protocol import algorithms, codec, messages, topics
+from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
 from models.architectures import build_model, get_weights, set_weights
@@ -119,7 +120,12 @@ class Agent:
         try:
             algorithm = algorithms.get(task.algorithm)
             model = build_model(release.arch)
-            set_weights(model, codec.decode(release.body, codec.specs_of(get_weights(model)), MAX_MODEL_VALUES))
+            tensors = codec.decode(release.body, None, MAX_MODEL_VALUES)
+            specs = codec.specs_of(get_weights(model))
+            if any(name not in tensors or tensors[name].shape != shape for name, shape in specs.items()):
+                raise Rejected("shape", f"model version {release.version} does not fit architecture {release.arch}")
+            set_weights(model, tensors)
+            extras = {name: a for name, a in tensors.items() if name.startswith(EXTRA_PREFIX)}
         except (ValueError, Rejected) as exc:
             log.error("round %d: cannot use task: %s", task.round, exc)
             return
@@ -129,7 +135,7 @@ class Agent:
             lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
             weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)),
         )
-        rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name))
+        rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name), extras)
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         result = train_locally(model, self.data, rule, settings, seed)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
