@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {v.name: v for v in every}
     if args.validation:
         from .tuning import validation_jobs
-        records = run_all(validation_jobs(), args.workers)
+        records = [r for r in run_all(validation_jobs(), args.workers) if "accuracy" in r]
         report(records, {**variants, **{r["variant"]: Variant(r["variant"], r["algorithm"], tuple(r["hparams"].items()))
                                         for r in records}}, algorithms.DEFAULT_ALGORITHM, "algorithms_validation")
         return 0
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         run_all(jobs, args.workers)
     records = [json.loads(path.read_text()) for path in sorted((RUNS / "test").glob("*/*.json"))]
+    records = [r for r in records if "accuracy" in r and r["variant"] in variants]
     report(records, variants, algorithms.DEFAULT_ALGORITHM)
     return 0
 
