@@ -17,6 +17,7 @@ DESIGNS = [
     Variant("dynsam", "dynsam"),
     Variant("dynsam-k1", "dynsam", (("sam_every", 1),)),
     Variant("dynsam-k4", "dynsam", (("sam_every", 4),)),
+    Variant("dynsam-k0", "dynsam", (("sam_every", 0),)),
     Variant("dynsam-no_adapt", "dynsam", (("adapt_rho", 0), ("adapt_alpha", 0))),
     Variant("dynsam-size_aware", "dynsam", (("size_aware", 1),)),
     Variant("dynsam-size_weighted", "dynsam", (("weighting", "size"),)),

@@ -298,3 +298,12 @@ def test_dynsam_ratio_factor_is_clamped():
     assert dynsam.ratio_factor(0.2, 0.8, 2) == 0.5
     assert dynsam.ratio_factor(0.2, 0.25, 2) == pytest.approx(0.8)
     assert dynsam.ratio_factor(0.2, None, 2) == 1.0 and dynsam.ratio_factor(0.0, 0.3, 2) == 1.0
+
+
+@pytest.mark.parametrize("name", ["fedsam", "fedsmoo", "dynsam"])
+def test_free_ascent_mode_costs_one_pass_per_step_after_the_first(name):
+    algorithm = algorithms.get(name)
+    rule = algorithm.client({**algorithm.defaults, "sam_every": 0}, {}, {})
+    result = train_locally(tiny_model(), tiny_data(64), rule, LocalSettings(epochs=1, batch_size=8), 0)
+    assert result.metrics["passes"] == 8 + 1
+    assert all(np.isfinite(a).all() for a in result.delta.values())

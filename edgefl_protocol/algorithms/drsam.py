@@ -24,7 +24,8 @@ Local step (note section 3.3): g_reg = grad L(theta + eps) + 2 lambda (theta - t
 clip_grad_norm(g_reg, 10), then SGD (+momentum): the pull enters the momentum with the data.
 Local epochs: E is halved (at least 1) when the previous tau exceeds 0.15 rad.
 CPU-sized (`sam_every` = k > 1): fresh SAM passes in the first and last m steps (the signals need
-them) and every k-th step; the last eps is reused in between.
+them) and every k-th step; the last eps is reused in between (k = 0: eps follows the previous
+step's descent gradient outside the first and last m steps; see sam.py).
 
 Server:
     weights p_k ~ n_k (default) or n_k exp(-lambda_k) (`lambda_weighting` = 1)
@@ -159,8 +160,7 @@ class Client(SAMClient):
 
     def fresh_ascent(self, step: int) -> bool:
         s = self.signals
-        return (s.in_first(step) or s.in_last(step) or step == self.recalibrate_at
-                or step % self.sam_every() == 0)
+        return s.in_first(step) or s.in_last(step) or step == self.recalibrate_at or super().fresh_ascent(step)
 
     def ascent_direction(self, step: int, grads: Tensors) -> Tensors:
         if step == self.recalibrate_at:  # the note's "direction recalibration"
@@ -179,6 +179,7 @@ class Client(SAMClient):
         return super().perturbation(step, params, loss)
 
     def observe_perturbed(self, step: int, loss: float | None, loss_perturbed: float) -> None:
+        super().observe_perturbed(step, loss, loss_perturbed)
         if loss is None:
             return
         s = self.signals

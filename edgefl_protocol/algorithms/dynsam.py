@@ -94,6 +94,7 @@ class Client(DualState, SAMClient):
         return super().perturbation(step, params, loss)
 
     def observe_perturbed(self, step: int, loss: float | None, loss_perturbed: float) -> None:
+        super().observe_perturbed(step, loss, loss_perturbed)
         if loss is not None:
             self.diffs.append(loss_perturbed - loss)
 
@@ -105,6 +106,8 @@ class Client(DualState, SAMClient):
         if self.h("dual"):
             self.store_dual(params)
         sigma = max(0.0, sum(self.diffs) / len(self.diffs)) if self.diffs else None
+        if getattr(self, "previous", None) is not None and self.total_steps > 1:
+            self.g_last = self.previous  # free-ascent mode: the last descent gradient
         gamma = cosine(self.g_last, self.g_ref) if self.g_ref is not None and self.g_last is not self.g_ref else None
         if sigma is not None:
             self.state["sigma"] = sigma
