@@ -22,7 +22,7 @@ from . import fedsim
 from .algorithms import RESULTS
 
 AGENTS, ROUNDS, PER_ROUND, PARTITION, SEED = 10, 10, 5, "dirichlet:0.3", 0
-CASES = [("fedavg", 0.9, {}), ("fedsmoo", 0.9, {"sam_every": 2}), ("dynsam", 0.9, {})]
+CASES = [("dynsam", 0.9, {}), ("fedsmoo", 0.9, {"sam_every": 4})]
 
 
 def over_mqtt(algorithm: str, momentum: float, hparams: dict, out: Path) -> list[float]:

@@ -14,7 +14,7 @@ from .algorithms import MOMENTUM, Job, Variant
 from .settings import HEADLINE
 
 DESIGNS = [
-    Variant("dynsam", "dynsam"),
+    Variant("dynsam-k2", "dynsam", (("sam_every", 2),)),
     Variant("dynsam-k1", "dynsam", (("sam_every", 1),)),
     Variant("dynsam-k4", "dynsam", (("sam_every", 4),)),
     Variant("dynsam-k0", "dynsam", (("sam_every", 0),)),

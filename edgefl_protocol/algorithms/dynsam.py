@@ -10,7 +10,7 @@ h_k (Acar et al., ICLR 2021) *corrects* the drift instead; (2) raw signals put
 lambda at its cap most of the time; here each signal is divided by the
 federation's running median (broadcast by the server), so a typical client
 gets factor 1 and only outliers move; (3) SAM costs 2x; here the ascent is
-refreshed every k steps and reused in between (about (1 + 1/k) x SGD).
+refreshed every k steps and reused in between (about (1 + 1/k) x SGD; k = 4 by default).
 
 Client k, round t (theta_t received; first-pass gradients g = grad L_k(theta)):
     fresh steps (every k-th): eps = rho_k * g / ||g||         (reused on the steps in between)
@@ -26,7 +26,7 @@ Server:
     H <- H + (|P|/m) * mean_P(theta_k - theta_t);   theta_{t+1} = theta_t + mean_P(theta_k - theta_t) + H
     broadcast running medians of sigma and 1 - gamma over devices' latest reports, and mean n.
 
-Parameters (defaults): alpha 0.1, rho 0.05, sam_every 2 (CPU-sized), ratio r 2, adapt_rho 1,
+Parameters (defaults): alpha 0.1, rho 0.05, sam_every 4 (CPU-sized; chosen on validation), ratio r 2, adapt_rho 1,
 adapt_alpha 1, size_aware 0, sam 1, dual 1, weighting "uniform".
 """
 
@@ -43,7 +43,7 @@ from .sam import SAMClient
 
 NAME = "dynsam"
 DEFAULT_HPARAMS: dict[str, float | str] = {
-    "alpha": 0.1, "rho": 0.05, "sam_every": 2, "ratio": 2.0, "adapt_rho": 1, "adapt_alpha": 1,
+    "alpha": 0.1, "rho": 0.05, "sam_every": 4, "ratio": 2.0, "adapt_rho": 1, "adapt_alpha": 1,
     "size_aware": 0, "sam": 1, "dual": 1, "weighting": "uniform",
 }
 
