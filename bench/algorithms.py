@@ -139,7 +139,7 @@ class Row:
     final: list[float] = field(default_factory=list)
     curves: list[list[float]] = field(default_factory=list)
     local_median: list[float] = field(default_factory=list)
-    signals: dict[str, float] = field(default_factory=dict)
+    passes: list[float] = field(default_factory=list)  # forward-backward passes per client-round
 
 
 def summarize(records: list[dict], variants: dict[str, Variant]) -> dict[str, dict[str, Row]]:
@@ -150,6 +150,7 @@ def summarize(records: list[dict], variants: dict[str, Variant]) -> dict[str, di
         row.final.append(r["accuracy"][-1])
         row.curves.append(r["accuracy"])
         row.local_median.append(statistics.median(r["local_seconds"]))
+        row.passes.append(mean([m["passes"] for rnd in r["signals"] for m in rnd.values()]))
     return table
 
 
@@ -164,13 +165,15 @@ def report(records: list[dict], variants: dict[str, Variant], default: str, out_
     lines = [f"# Algorithm benchmark ({out_prefix})", "",
              "Final test accuracy after the last round, mean +- std over seeds (in process, bench/fedsim.py); "
              "rounds to 90% of the best final accuracy in the setting (on the seed-mean curve); median local "
-             "training seconds per client-round (1 thread, 2 runs in parallel on 2 shared cores).", ""]
+             "training seconds per client-round (1 thread per run, several runs and other users' jobs sharing 2 cores, so "
+             "seconds are noisy; 'passes' counts forward-backward passes per client-round, the deterministic cost). "
+             "Time and passes are relative to fedavg with the same optimizer.", ""]
     for setting, rows in table.items():
         best = max(mean(r.final) for r in rows.values())
         schema["settings"][setting] = {}
         details["settings"][setting] = {}
         lines += [f"## {setting}", "", "| algorithm | optimizer | final accuracy (%) | seeds | rounds to 90% of best "
-                  "| local s / client-round | vs fedavg same optimizer | note |", "|---|---|---|---|---|---|---|---|"]
+                  "| local s / client-round | time vs fedavg | passes vs fedavg | note |", "|---|---|---|---|---|---|---|---|---|"]
         for key, row in sorted(rows.items(), key=lambda kv: -mean(kv[1].final)):
             optimizer = f"sgd+momentum{row.momentum}" if row.momentum else "sgd"
             schema["settings"][setting][key] = {"final_accuracy": row.final, "local_seconds": row.local_median,
@@ -179,14 +182,16 @@ def report(records: list[dict], variants: dict[str, Variant], default: str, out_
             to90 = rounds_to(curve, 0.9 * best)
             ref = rows.get("fedavg" + ("+momentum" if row.momentum else ""))
             ratio = mean(row.local_median) / mean(ref.local_median) if ref else float("nan")
+            pass_ratio = mean(row.passes) / mean(ref.passes) if ref else float("nan")
             details["settings"][setting][key] = {
                 "variant": row.variant.name, "algorithm": row.variant.algorithm, "hparams": dict(row.variant.hparams),
                 "optimizer": optimizer, "final_mean": mean(row.final), "final_std": std(row.final),
                 "rounds_to_90pct_of_best": to90, "local_seconds_median": statistics.median(row.local_median),
-                "local_time_vs_fedavg": ratio, "mean_curve": curve, "note": row.variant.note}
+                "local_time_vs_fedavg": ratio, "passes_vs_fedavg": pass_ratio, "mean_curve": curve,
+                "note": row.variant.note}
             lines.append(f"| {key} | {optimizer} | {100 * mean(row.final):.2f} +- {100 * std(row.final):.2f} | "
                          f"{len(row.final)} | {to90 if to90 else '-'} | {statistics.median(row.local_median):.3f} | "
-                         f"{ratio:.2f}x | {row.variant.note} |")
+                         f"{ratio:.2f}x | {pass_ratio:.2f}x | {row.variant.note} |")
         lines.append("")
         plot(setting, rows, RESULTS / f"{out_prefix}_{setting}.png")
         lines += [f"![accuracy per round]({out_prefix}_{setting}.png)", ""]
@@ -242,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = {v.name: v for v in every}
     if args.validation:
         from .tuning import validation_jobs
-        records = [r for r in run_all(validation_jobs(), args.workers) if "accuracy" in r]
+        jobs = validation_jobs()
+        if not args.report:
+            run_all(jobs, args.workers)
+        records = [json.loads(j.path.read_text()) for j in jobs if j.path.exists()]
+        records = [r for r in records if "accuracy" in r]
         report(records, {**variants, **{r["variant"]: Variant(r["variant"], r["algorithm"], tuple(r["hparams"].items()))
                                         for r in records}}, algorithms.DEFAULT_ALGORITHM, "algorithms_validation")
         return 0
