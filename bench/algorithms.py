@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import settings
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="headline setting, 6 rounds, 1 seed, momentum only")
+    p.add_argument("--quick", action="store_true", help="headline setting, 5 rounds, 1 seed, momentum only")
     p.add_argument("--report", action="store_true", help="only rebuild the report from cached runs")
     p.add_argument("--validation", action="store_true", help="design/tuning runs on a validation split")
     p.add_argument("--check-mqtt", action="store_true", help="compare in-process with a run over MQTT")
@@ -256,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                                         for r in records}}, algorithms.DEFAULT_ALGORITHM, "algorithms_validation")
         return 0
     if args.quick:
-        jobs = [Job(settings.HEADLINE, v, MOMENTUM, 1, rounds=6) for v in BASELINES + [DEFAULT]]
+        jobs = [Job(settings.HEADLINE, v, MOMENTUM, 1, split="quick", rounds=5) for v in BASELINES + [DEFAULT]]
+        for job in jobs:  # always a fresh measurement
+            job.path.unlink(missing_ok=True)
         records = run_all(jobs, args.workers)
         report(records, variants, algorithms.DEFAULT_ALGORITHM, "algorithms_quick")
         return 0
