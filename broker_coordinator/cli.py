@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from edgefl_protocol import algorithms, topics
+from edgefl_protocol import topics
 from models import partition
 
 
@@ -40,6 +40,8 @@ def _name(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from edgefl_protocol import algorithms  # imports torch: only when a command needs it
+
     parser = argparse.ArgumentParser(
         prog="broker-coordinator",
         description="EdgeFL coordinator: runs federated rounds over a Mosquitto broker.")
@@ -70,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--broker-port", type=_bounded(int, 0, 65535), default=0, help="0 = a free port")
     sim.add_argument("--mosquitto", default=None, help="path to the mosquitto binary (default: search PATH, /usr/sbin)")
     sim.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from .operator_cli import add_operator_commands
+    add_operator_commands(sub)
     return parser
 
 
@@ -89,7 +93,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .operator_cli import OPERATOR_COMMANDS, build_operator_parser
+    argv = sys.argv[1:] if argv is None else argv
+    # operator commands need no torch: parse them without the simulate parser's imports
+    args = (build_operator_parser() if argv[:1] and argv[0] in OPERATOR_COMMANDS else build_parser()).parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from edgefl_protocol.settings import ConfigError
@@ -97,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     from models.datasets import DatasetError
 
     from .broker import BrokerError
+    from .registry import RegistryError
 
     try:
         if args.command == "simulate":
             return run_simulate(args)
-    except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, ValueError, TimeoutError, OSError) as exc:
+        return args.run(args)
+    except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, RegistryError, ValueError, TimeoutError,
+            OSError) as exc:
         print(f"broker-coordinator: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ import queue
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,6 +112,9 @@ class Coordinator:
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.rejections: Counter[str] = Counter()
+        # device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects
+        # unknown and revoked devices. None: every device the broker lets in is admitted (simulate).
+        self.admission: Callable[[str], tuple[str, str] | None] | None = None
         self.inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue()
         self.client = make_client(f"{COORDINATOR_USER}-{federation}", COORDINATOR_USER, "")
         self.client.on_connect = self._on_connect
@@ -208,6 +212,9 @@ class Coordinator:
         def fold(device: str, data: bytes, arrived: float) -> None:
             nonlocal bytes_up
             try:
+                refused = self.admission(device) if self.admission else None
+                if refused:
+                    raise Rejected(*refused)
                 update = messages.decode_update(data, self.max_update_bytes)
                 if update.device != device:
                     raise Rejected("sender", f"topic says {device} but the update claims {update.device}")

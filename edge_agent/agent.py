@@ -41,7 +41,8 @@ class Agent:
         self.models_changed = threading.Condition()
         self.stopping = threading.Event()
         self.state = DeviceState(config.device.state_dir)
-        self.client = make_client(self.device, config.broker.username, config.broker.password)
+        self.client = make_client(self.device, config.broker.username, config.broker.password,
+                                  config.broker.tls_ca or None)
         self.client.will_set(topics.status(self.fed, self.device), self._status("offline"), qos=1, retain=True)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message

@@ -12,9 +12,12 @@ class BrokerUnavailable(Exception):
     """The broker refused or did not answer; the message says which and why."""
 
 
-def make_client(client_id: str, username: str, password: str) -> mqtt.Client:
+def make_client(client_id: str, username: str, password: str, tls_ca: str | None = None) -> mqtt.Client:
+    """An MQTT v5 client; with `tls_ca` (a CA certificate file) it speaks TLS and verifies the broker."""
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     client.username_pw_set(username, password)
+    if tls_ca:
+        client.tls_set(ca_certs=tls_ca)
     client.max_queued_messages_set(1000)  # bounded outgoing queue
     return client
 
