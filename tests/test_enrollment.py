@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 import time
 import tomllib
 
@@ -188,3 +189,51 @@ def test_config_env_override_and_rounds_section(server, monkeypatch):
     assert rounds.algorithm == "fedavg" and rounds.round_timeout == 30.0 and rounds.lr == 0.5
     raw = tomllib.loads(server.config_path.read_text())
     assert set(raw) <= {"federation", "broker", "registry", "enrollment", "rounds"}
+
+
+# TLS ---------------------------------------------------------------------------------------------
+def self_signed(directory, name: str = "broker"):
+    import shutil
+    import subprocess
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (CI installs it: apt-get install openssl)")
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
+    from .operator_fixtures import start_server, stop_server
+    cert, key = self_signed(tmp_path / "pki")
+    server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"')
+    try:
+        from broker_coordinator.enrollment import EnrollmentDesk
+        client = ops.coordinator_client(server.config, "desk")
+        connect(client, "127.0.0.1", server.port, timeout=10)
+        desk = EnrollmentDesk(server.config, ops.open_registry(server.config))
+        desk.attach(client)
+        text = server.add("pi-07")
+        token = proto.decode_token(text)
+        assert token.tls and token.ca_sha256 == ops.ca_fingerprint(str(cert))
+
+        other, _ = self_signed(tmp_path / "pki", "other")
+        with pytest.raises(EnrollError, match="does not match the token's CA fingerprint"):
+            enroll(text, tmp_path / "bad.toml", ca_file=other)
+
+        done = enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path))
+        assert done.tls
+        agent = load_agent_config(tmp_path / "etc" / "agent.toml")
+        assert Path(agent.broker.tls_ca).read_text() == cert.read_text()
+        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, agent.broker.tls_ca)
+        connect(secure, "127.0.0.1", server.port, timeout=5)
+        secure.disconnect()
+        secure.loop_stop()
+        desk.stop()
+        client.disconnect()
+        client.loop_stop()
+    finally:
+        stop_server(server)
