@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--metrics-port", type=_bounded(int, 0, 65535), default=0,
                      help="serve Prometheus metrics on this loopback port (0 = off)")
     sim.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run = sub.add_parser("run", help="serve rounds for a real fleet, as configured (the systemd service runs this)",
+                         description="Connect to the broker named in the config and run rounds until the "
+                                     "configured count or SIGTERM. Resumes from the last checkpoint in state_dir.")
+    run.add_argument("--config", required=True, help="coordinator TOML config (keys: broker_coordinator/config.py)")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
+    stat.add_argument("--config", required=True, help="coordinator TOML config")
+    stat.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
@@ -99,8 +108,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # journald stamps time and unit itself; elsewhere a timestamp helps
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format=fmt)
     from edgefl_protocol.settings import ConfigError
     from edgefl_protocol.transport import BrokerUnavailable
     from models.datasets import DatasetError
@@ -111,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "simulate":
             return run_simulate(args)
+        from . import service
+        from .config import load_config
+        config = load_config(args.config)
+        echo = lambda line: print(line, flush=True)  # noqa: E731
+        return service.run(config, echo) if args.command == "run" else service.status(config, echo)
     except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, ValueError, TimeoutError, OSError,
             RoundFailed) as exc:
         print(f"broker-coordinator: error: {exc}", file=sys.stderr)
