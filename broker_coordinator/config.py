@@ -2,44 +2,55 @@
 
     [federation]
     name = "default"
-    model = "mnist_cnn"            # sizes message_size_limit; the model the rounds train
+    model = "mnist_cnn"                  # an architecture from models.architectures
+    test_data = "/var/lib/edgefl-coordinator/test.npz"   # held-out set (arrays x, y)
+    rounds = 0                           # 0 = run until stopped
+    seed = 0
 
     [broker]
-    host = "broker.example"        # the address devices connect to (goes into tokens)
-    port = 1883                    # 8883 is customary with TLS
-    bind = ""                      # listener address; "" = all interfaces
-    tls_cert = ""                  # server certificate (PEM); TLS is on when set
+    host = "127.0.0.1"                   # where the coordinator itself connects
+    port = 1883
+    username = "coordinator"
+    password = "..."                     # the coordinator's own broker password
+    # what devices are told (enrollment tokens) and what `broker-config` writes:
+    device_host = "broker.example"       # the address devices connect to; "" = host
+    device_port = 0                      # the devices' listener; 0 = port. With TLS: e.g. 8883,
+                                         # and `port` stays a plain listener on 127.0.0.1 for the coordinator
+    bind = ""                            # the devices' listener address; "" = all interfaces
+    tls_cert = ""                        # server certificate (PEM); TLS on the devices' listener when set
     tls_key = ""
-    tls_ca = ""                    # CA that signed tls_cert; its fingerprint goes into tokens
-    password_file = "/etc/mosquitto/edgefl/passwd"
+    tls_ca = ""                          # CA that signed tls_cert ("" = tls_cert is self-signed);
+                                         # its SHA-256 fingerprint goes into enrollment tokens
+    passwd_file = "/etc/mosquitto/edgefl/passwd"
     acl_file = "/etc/mosquitto/edgefl/acl"
     conf_file = "/etc/mosquitto/conf.d/edgefl.conf"
-    coordinator_user = "coordinator"
-    coordinator_password_file = "/var/lib/edgefl-coordinator/coordinator.secret"
-    pid_file = "/run/mosquitto/mosquitto.pid"   # SIGHUP goes to this pid after a credential change
-    reload_command = "systemctl reload mosquitto.service"  # used when the pid file is absent or not ours to signal
-    message_size_limit = 0         # bytes; 0 = sized to the model
+    pid_file = "/run/mosquitto/mosquitto.pid"   # SIGHUP goes to this pid after a credential change...
+    reload_command = "systemctl reload mosquitto.service"  # ...or this runs, if the pid is not ours to signal
+    message_size_limit = 0               # bytes; 0 = sized to the model
 
-    [registry]
-    path = "/var/lib/edgefl-coordinator/registry.db"   # SQLite; the round store shares this file
+    [rounds]                             # every field of coordinator.RoundSettings
+    clients_per_round = 10
+    min_updates = 5
+    round_timeout = 300.0
+    local_epochs = 0                     # 0 = devices choose from their speed and the deadline
+
+    [storage]
+    state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
 
     [enrollment]
-    token_hours = 24.0             # how long an enrollment token stays valid
+    token_hours = 24.0                   # how long an enrollment token stays valid
 
-    [rounds]                       # RoundSettings (broker_coordinator/coordinator.py), same key names
-    algorithm = "fedavg"
-    clients_per_round = 0
-    ...
+    [metrics]
+    port = 9464                          # Prometheus endpoint; 0 = off
+    bind = "127.0.0.1"
 
 Environment overrides: EDGEFL_COORDINATOR_<SECTION>_<KEY>, e.g.
-EDGEFL_COORDINATOR_BROKER_PORT=1884 or EDGEFL_COORDINATOR_REGISTRY_PATH=/tmp/r.db.
+EDGEFL_COORDINATOR_BROKER_PASSWORD.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,52 +59,73 @@ from edgefl_protocol.settings import ConfigError, build_section, read_toml
 
 ENV_PREFIX = "EDGEFL_COORDINATOR"
 DEFAULT_PATH = Path("/etc/edgefl/coordinator.toml")
-SECTIONS = ("federation", "broker", "registry", "enrollment", "rounds")
+REGISTRY_FILE = "coordinator.db"
 
 
 @dataclass
 class FederationSettings:
+    test_data: str
     name: str = "default"
     model: str = "mnist_cnn"
+    rounds: int = 0
+    seed: int = 0
 
     def validate(self) -> None:
         topics.check_name("federation", self.name)
+        if self.rounds < 0:
+            raise ValueError("rounds must be >= 0 (0 = run until stopped)")
 
 
 @dataclass
-class BrokerSettings:
-    host: str = "localhost"
+class CoordinatorBroker:
+    password: str
+    host: str = "127.0.0.1"
     port: int = 1883
+    username: str = "coordinator"
+    keepalive: int = 60
+    device_host: str = ""
+    device_port: int = 0
     bind: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    password_file: str = "/etc/mosquitto/edgefl/passwd"
+    passwd_file: str = "/etc/mosquitto/edgefl/passwd"
     acl_file: str = "/etc/mosquitto/edgefl/acl"
     conf_file: str = "/etc/mosquitto/conf.d/edgefl.conf"
-    coordinator_user: str = "coordinator"
-    coordinator_password_file: str = "/var/lib/edgefl-coordinator/coordinator.secret"
     pid_file: str = "/run/mosquitto/mosquitto.pid"
     reload_command: str = "systemctl reload mosquitto.service"
     message_size_limit: int = 0
 
     def validate(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be 1-65535, got {self.port}")
+        for name in ("port", "device_port"):
+            value = getattr(self, name)
+            if not (0 < value < 65536 or (name == "device_port" and value == 0)):
+                raise ValueError(f"{name} must be 1-65535, got {value}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both for TLS, or neither")
+        if self.tls_cert and self.devices_port == self.port:
+            raise ValueError("with TLS, set device_port (e.g. 8883) for the devices' TLS listener; `port` stays "
+                             "a plain listener on 127.0.0.1 for the coordinator")
         if self.message_size_limit < 0:
             raise ValueError("message_size_limit must be >= 0 (0 = sized to the model)")
-        topics.check_name("coordinator_user", self.coordinator_user)
+        topics.check_name("username", self.username)
 
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
 
+    @property
+    def devices_host(self) -> str:
+        return self.device_host or self.host
+
+    @property
+    def devices_port(self) -> int:
+        return self.device_port or self.port
+
 
 @dataclass
-class RegistrySettings:
-    path: str = "/var/lib/edgefl-coordinator/registry.db"
+class StorageSettings:
+    state_dir: str = "/var/lib/edgefl-coordinator"
 
 
 @dataclass
@@ -106,59 +138,59 @@ class EnrollmentSettings:
 
 
 @dataclass
+class MetricsSettings:
+    port: int = 0
+    bind: str = "127.0.0.1"
+
+    def validate(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be 0 (off) or 1-65535, got {self.port}")
+
+
+@dataclass
 class CoordinatorConfig:
-    federation: FederationSettings = field(default_factory=FederationSettings)
-    broker: BrokerSettings = field(default_factory=BrokerSettings)
-    registry: RegistrySettings = field(default_factory=RegistrySettings)
-    enrollment: EnrollmentSettings = field(default_factory=EnrollmentSettings)
-    rounds_table: dict[str, Any] = field(default_factory=dict)
-    path: Path | None = None
+    federation: FederationSettings
+    broker: CoordinatorBroker
+    rounds: Any  # coordinator.RoundSettings; None when loaded with with_rounds=False
+    storage: StorageSettings
+    enrollment: EnrollmentSettings
+    metrics: MetricsSettings
+    path: Path
 
-    def round_settings(self) -> Any:
-        """The [rounds] table as coordinator.RoundSettings (imports torch, hence not done at load)."""
-        from .coordinator import RoundSettings
-        return build_section(RoundSettings, self.rounds_table, f"{self.path} [rounds]", f"{ENV_PREFIX}_ROUNDS")
-
-    def coordinator_password(self, create: bool = False) -> str:
-        """The coordinator's own broker password, kept in a 0600 file beside the registry."""
-        path = Path(self.broker.coordinator_password_file)
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            if not create:
-                raise ConfigError(f"{path} does not exist: run 'broker-coordinator broker-config' first") from None
-        except PermissionError:
-            raise ConfigError(f"{path} is not readable by this user: run as root or as the coordinator's "
-                              "service user") from None
-        password = secrets.token_urlsafe(24)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(password + "\n")
-        return password
+    @property
+    def registry_path(self) -> Path:
+        return Path(self.storage.state_dir) / REGISTRY_FILE
 
 
-def load_config(path: Path | str | None = None, with_rounds: bool = False) -> CoordinatorConfig:
-    """Read and validate the coordinator config. A missing file at the default path means defaults;
-    `with_rounds` also validates [rounds] (slow: imports torch)."""
-    if path is None:
-        path = Path(os.environ.get(f"{ENV_PREFIX}_CONFIG", DEFAULT_PATH))
-        raw = read_toml(path) if path.exists() else {}
-    else:
-        path = Path(path)
-        raw = read_toml(path)
-    for section, table in raw.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section [{section}]; known sections: {', '.join(SECTIONS)}")
+SECTIONS = ("federation", "broker", "rounds", "storage", "enrollment", "metrics")
+
+
+def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
+    """Read and validate the config. `with_rounds=False` skips [rounds] and the model check, which
+    import torch; the device-management commands use it to stay quick."""
+    path = Path(path)
+    raw = read_toml(path)
+    unknown = set(raw) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}; "
+                          f"expected {', '.join(SECTIONS)}")
+    for name, table in raw.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: {section} must be a table ([{section}])")
+            raise ConfigError(f"{path}: {name} must be a table ([{name}])")
 
     def section(cls: type, name: str) -> Any:
-        return build_section(cls, raw.get(name, {}), f"{path} [{name}]", f"{ENV_PREFIX}_{name.upper()}")
+        return build_section(cls, raw.get(name, {}), f"{path} [{name}]", f"{ENV_PREFIX}_{name}")
 
-    config = CoordinatorConfig(section(FederationSettings, "federation"), section(BrokerSettings, "broker"),
-                               section(RegistrySettings, "registry"), section(EnrollmentSettings, "enrollment"),
-                               dict(raw.get("rounds", {})), path)
+    rounds = None
+    federation = section(FederationSettings, "federation")
     if with_rounds:
-        config.round_settings()
-    return config
+        from models.architectures import ARCHITECTURES
+
+        from .coordinator import RoundSettings
+        if federation.model not in ARCHITECTURES:
+            raise ConfigError(f"{path} [federation]: model must be one of {', '.join(ARCHITECTURES)}, "
+                              f"got {federation.model!r}")
+        rounds = section(RoundSettings, "rounds")
+    return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
+                             section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
+                             section(MetricsSettings, "metrics"), path)

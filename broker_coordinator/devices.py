@@ -29,14 +29,14 @@ from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
 
 from .broker import BrokerError, hash_password, render_acl, render_fragment
-from .config import BrokerSettings, CoordinatorConfig
-from .registry import REVOKED, Device, Registry, match_owner
+from .config import CoordinatorBroker, CoordinatorConfig
+from .registry import REVOKED, Activity, Device, Registry, match_owner
 
 SIGNING_KEY_BYTES = 32
 
 
 def open_registry(config: CoordinatorConfig) -> Registry:
-    return Registry(config.registry.path)
+    return Registry(config.registry_path)
 
 
 # the broker's files ---------------------------------------------------------------------
@@ -54,7 +54,9 @@ def write_file(path: Path, text: str, mode: int) -> None:
 
 def render_password_file(config: CoordinatorConfig, registry: Registry) -> str:
     users = registry.broker_users(config.federation.name)
-    users[config.broker.coordinator_user] = hash_password(config.coordinator_password())
+    if not config.broker.password:
+        raise BrokerError(f"{config.path} [broker] password is empty: set the coordinator's broker password")
+    users[config.broker.username] = hash_password(config.broker.password)
     return "".join(f"{user}:{digest}\n" for user, digest in sorted(users.items()))
 
 
@@ -62,13 +64,13 @@ def sync_broker_files(config: CoordinatorConfig, registry: Registry) -> None:
     """Regenerate the password and ACL files from the registry (the broker still needs a reload)."""
     b = config.broker
     try:
-        write_file(Path(b.password_file), render_password_file(config, registry), 0o640)
-        write_file(Path(b.acl_file), render_acl(config.federation.name, b.coordinator_user), 0o640)
+        write_file(Path(b.passwd_file), render_password_file(config, registry), 0o640)
+        write_file(Path(b.acl_file), render_acl(config.federation.name, b.username), 0o640)
     except PermissionError as exc:
         raise BrokerError(f"cannot write {exc.filename}: run as root (sudo) or as the coordinator's service user") from None
 
 
-def reload_broker(b: BrokerSettings) -> str:
+def reload_broker(b: CoordinatorBroker) -> str:
     """SIGHUP to Mosquitto: through its pid file when we may signal it, else through reload_command."""
     problems = []
     if b.pid_file:
@@ -122,7 +124,7 @@ def ca_fingerprint(path: str) -> str:
 
 
 def write_broker_config(config: CoordinatorConfig, conf_file: Path | None = None) -> tuple[Path, int]:
-    """Write the conf.d fragment, the password and ACL files, and the coordinator's own secret."""
+    """Write the conf.d fragment, and the password and ACL files."""
     b = config.broker
     for name in ("tls_cert", "tls_key", "tls_ca"):
         value = getattr(b, name)
@@ -131,10 +133,9 @@ def write_broker_config(config: CoordinatorConfig, conf_file: Path | None = None
     limit = message_size_limit(config)
     conf = conf_file or Path(b.conf_file)
     registry = open_registry(config)
-    config.coordinator_password(create=True)
     try:
-        write_file(conf, render_fragment(b.port, Path(b.password_file), Path(b.acl_file), limit, b.bind,
-                                         b.tls_cert, b.tls_key, b.tls_ca), 0o644)
+        write_file(conf, render_fragment(b.devices_port, Path(b.passwd_file), Path(b.acl_file), limit, b.bind,
+                                         b.tls_cert, b.tls_key, b.tls_ca, local_port=b.port), 0o644)
     except PermissionError:
         raise BrokerError(f"cannot write {conf}: run as root (sudo), or pass --out PATH") from None
     sync_broker_files(config, registry)
@@ -145,7 +146,7 @@ def write_broker_config(config: CoordinatorConfig, conf_file: Path | None = None
 def _new_token(config: CoordinatorConfig, name: str) -> tuple[tokens.EnrollmentToken, str]:
     b = config.broker
     token = tokens.EnrollmentToken(
-        device=name, federation=config.federation.name, host=b.host, port=b.port,
+        device=name, federation=config.federation.name, host=b.devices_host, port=b.devices_port,
         password=secrets.token_urlsafe(18), signing_key=secrets.token_hex(SIGNING_KEY_BYTES),
         token_id=secrets.token_hex(8), expires=time.time() + config.enrollment.token_hours * 3600,
         tls=b.tls, ca_sha256=ca_fingerprint(b.tls_ca or b.tls_cert) if b.tls else "")
@@ -180,11 +181,13 @@ def revoke_device(config: CoordinatorConfig, name: str) -> str:
 @dataclass
 class DeviceRow:
     device: Device
-    online: str  # "online" | "offline" | "-" (broker not asked)
+    online: str  # "online" | "offline" | "revoked" | "-" (unknown)
+    activity: Activity
 
 
 def list_devices(config: CoordinatorConfig, probe: bool = True, wait: float = 1.0) -> tuple[list[DeviceRow], str]:
-    """Registry rows plus live online state from the devices' retained status topics."""
+    """Registry rows; online from the devices' retained status topics (asked live), last seen and
+    rounds contributed from the round store's tables."""
     registry = open_registry(config)
     devices = registry.devices(config.federation.name)
     live: dict[str, bool] = {}
@@ -193,31 +196,26 @@ def list_devices(config: CoordinatorConfig, probe: bool = True, wait: float = 1.
         try:
             live = probe_statuses(config, wait)
         except Exception as exc:  # noqa: BLE001 - the registry view is still useful without the broker
-            note = f"broker not reachable ({exc}); online state unknown"
-        now = time.time()
-        for name, online in live.items():
-            if registry.get(name) is not None:
-                registry.mark_seen(name, online, now)
-        devices = registry.devices(config.federation.name)
+            note = f"broker not reachable ({exc}); online state from the last the coordinator saw"
+    activity = registry.activity()
     rows = []
     for d in devices:
+        seen = activity.get(d.name, Activity())
         if d.state == REVOKED:
             online = "revoked"
-        elif not probe or note:
-            online = "-"
-        else:
+        elif probe and not note:
             online = "online" if live.get(d.name) else "offline"
-        rows.append(DeviceRow(d, online))
+        elif d.name in activity:
+            online = "online" if seen.online else "offline"
+        else:
+            online = "-"
+        rows.append(DeviceRow(d, online, seen))
     return rows, note
 
 
 def coordinator_client(config: CoordinatorConfig, suffix: str):  # noqa: ANN201 - a paho client
     b = config.broker
-    client = make_client(f"{b.coordinator_user}-{config.federation.name}-{suffix}", b.coordinator_user,
-                         config.coordinator_password())
-    if b.tls:
-        client.tls_set(ca_certs=b.tls_ca or b.tls_cert)
-    return client
+    return make_client(f"{b.username}-{config.federation.name}-{suffix}", b.username, b.password)
 
 
 def probe_statuses(config: CoordinatorConfig, wait: float) -> dict[str, bool]:
@@ -261,7 +259,8 @@ def format_rows(rows: list[DeviceRow]) -> str:
     table = [("DEVICE", "STATE", "ONLINE", "LAST SEEN", "ROUNDS", "LAST ROUND")]
     for r in rows:
         d = r.device
-        table.append((d.name, d.state, r.online, when(d.last_seen), str(d.rounds) if d.state != "pending" else "-",
-                      str(d.last_round) if d.last_round is not None else "-"))
+        a = r.activity
+        table.append((d.name, d.state, r.online, when(a.last_seen), str(a.rounds) if a.last_seen or a.rounds else "-",
+                      str(a.last_round) if a.last_round is not None else "-"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

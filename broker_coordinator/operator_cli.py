@@ -5,12 +5,13 @@ or $EDGEFL_COORDINATOR_CONFIG)."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-from .config import DEFAULT_PATH, load_config
+from .config import DEFAULT_PATH, ENV_PREFIX, load_config
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 OPERATOR_COMMANDS = ("devices", "broker-config", "serve-enrollment")
@@ -71,6 +72,12 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(run=run_serve_enrollment)
 
 
+def _config(args: argparse.Namespace):  # noqa: ANN202 - a CoordinatorConfig
+    """--config, else $EDGEFL_COORDINATOR_CONFIG, else /etc/edgefl/coordinator.toml; [rounds] is not
+    needed here (and would import torch)."""
+    return load_config(args.config or Path(os.environ.get(f"{ENV_PREFIX}_CONFIG", DEFAULT_PATH)), with_rounds=False)
+
+
 def _print_token(name: str, text: str, token, note: str) -> None:  # noqa: ANN001
     expires = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(token.expires))
     print(f"device {name}: one-time enrollment token, valid until {expires} ({note}):")
@@ -80,28 +87,28 @@ def _print_token(name: str, text: str, token, note: str) -> None:  # noqa: ANN00
 
 def run_add(args: argparse.Namespace) -> int:
     from .devices import add_device
-    text, token, note = add_device(load_config(args.config), args.name)
+    text, token, note = add_device(_config(args), args.name)
     _print_token(args.name, text, token, note)
     return 0
 
 
 def run_rotate(args: argparse.Namespace) -> int:
     from .devices import rotate_device
-    text, token, note = rotate_device(load_config(args.config), args.name)
+    text, token, note = rotate_device(_config(args), args.name)
     _print_token(args.name, text, token, f"old credentials dropped; {note}")
     return 0
 
 
 def run_revoke(args: argparse.Namespace) -> int:
     from .devices import revoke_device
-    note = revoke_device(load_config(args.config), args.name)
+    note = revoke_device(_config(args), args.name)
     print(f"device {args.name} revoked: credentials removed, {note}; its updates are rejected from now on")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
     from .devices import format_rows, list_devices
-    config = load_config(args.config)
+    config = _config(args)
     rows, note = list_devices(config, probe=not args.no_probe)
     if not rows:
         print(f"no devices in federation {config.federation.name}: add one with 'broker-coordinator devices add NAME'")
@@ -114,11 +121,13 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_broker_config(args: argparse.Namespace) -> int:
     from .devices import reload_broker, write_broker_config
-    config = load_config(args.config)
+    config = _config(args)
     conf, limit = write_broker_config(config, args.out)
     b = config.broker
     tls = "TLS on" if b.tls else "no TLS (set [broker] tls_cert and tls_key to turn it on)"
-    print(f"wrote {conf} (listener {b.port}, {tls}, message_size_limit {limit}), {b.password_file} and {b.acl_file}")
+    local = f", local listener {b.port} for the coordinator" if b.devices_port != b.port else ""
+    print(f"wrote {conf} (listener {b.devices_port}{local}, {tls}, message_size_limit {limit}), "
+          f"{b.passwd_file} and {b.acl_file}")
     if args.reload:
         print(reload_broker(b))
     return 0
@@ -129,7 +138,7 @@ def run_serve_enrollment(args: argparse.Namespace) -> int:
 
     from .devices import coordinator_client, open_registry
     from .enrollment import EnrollmentDesk
-    config = load_config(args.config)
+    config = _config(args)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = coordinator_client(config, "enrollment")

@@ -4,8 +4,15 @@ A device is `pending` from `devices add` (or `rotate`) until it enrolls, then
 `active`, and `revoked` for good after `devices revoke`. The registry keeps
 the Mosquitto password hash (never a broker password), the device's signing
 key (needed to verify its updates), and the current enrollment token's id and
-expiry. Other tables (rounds, metrics) may live in the same file: open it with
-`Registry(path).connect()` and keep their schema in their own module.
+expiry. It lives in the coordinator's database (`<state_dir>/coordinator.db`)
+beside the round store's tables (broker_coordinator/store.py), whose `presence`
+and `device_rounds` tables give `devices list` its online, last-seen and
+rounds-contributed columns (`activity()`).
+
+Admission: once any device is registered, the registry is authoritative, and
+an update from a device that is not `active` is rejected (`unknown_device`,
+`revoked`). A federation provisioned by hand, with an empty registry, admits
+whoever the broker lets in.
 
 Every method opens its own short connection, so the registry is safe to use
 from paho's network thread and the main thread alike.
@@ -34,11 +41,7 @@ CREATE TABLE IF NOT EXISTS devices (
     token_expires  REAL,
     created_at     REAL NOT NULL,
     enrolled_at    REAL,
-    revoked_at     REAL,
-    last_seen      REAL,                   -- last status message seen from the device
-    online         INTEGER NOT NULL DEFAULT 0,
-    rounds         INTEGER NOT NULL DEFAULT 0,   -- rounds whose update was accepted
-    last_round     INTEGER
+    revoked_at     REAL
 );
 """
 
@@ -59,10 +62,6 @@ class Device:
     created_at: float
     enrolled_at: float | None
     revoked_at: float | None
-    last_seen: float | None
-    online: bool
-    rounds: int
-    last_round: int | None
 
     def token_valid(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
@@ -126,6 +125,9 @@ class Registry:
         """None if updates from `name` may be accepted, else (reason, detail) for a rejection."""
         device = self.get(name)
         if device is None:
+            with self.connect() as db:
+                if db.execute("SELECT COUNT(*) FROM devices").fetchone()[0] == 0:
+                    return None  # registry not in use: a fleet provisioned by hand
             return "unknown_device", f"{name} is not in the device registry"
         if device.state == REVOKED:
             return "revoked", f"{name} was revoked at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(device.revoked_at or 0))}"
@@ -154,7 +156,7 @@ class Registry:
             raise RegistryError(f"device {name!r} is revoked; revoked devices stay revoked: enroll it under a new name")
         with self.connect() as db:
             db.execute("UPDATE devices SET state = ?, password_hash = ?, signing_key = ?, token_id = ?, "
-                       "token_expires = ?, online = 0 WHERE name = ?",
+                       "token_expires = ? WHERE name = ?",
                        (PENDING, password_hash, signing_key, token_id, token_expires, name))
         return self.require(name)
 
@@ -185,26 +187,40 @@ class Registry:
         if device.state == REVOKED:
             raise RegistryError(f"device {name!r} is already revoked")
         with self.connect() as db:
-            db.execute("UPDATE devices SET state = ?, token_id = NULL, token_expires = NULL, revoked_at = ?, "
-                       "online = 0 WHERE name = ?", (REVOKED, time.time(), name))
+            db.execute("UPDATE devices SET state = ?, token_id = NULL, token_expires = NULL, revoked_at = ? "
+                       "WHERE name = ?", (REVOKED, time.time(), name))
         return self.require(name)
 
-    def mark_seen(self, name: str, online: bool, when: float | None = None) -> None:
-        """Record a status message from a device (the coordinator calls this on every status)."""
-        with self.connect() as db:
-            db.execute("UPDATE devices SET online = ?, last_seen = ? WHERE name = ?",
-                       (int(online), time.time() if when is None else when, name))
+    def signing_keys(self, federation: str | None = None) -> dict[str, bytes]:
+        """device -> update-signing key, for active devices only (a revoked device's key is dropped)."""
+        return {d.name: bytes.fromhex(d.signing_key) for d in self.devices(federation) if d.state == ACTIVE}
 
-    def record_contribution(self, name: str, round_no: int) -> None:
-        """Count a round in which the device's update was accepted."""
+    def activity(self) -> dict[str, Activity]:
+        """What the round store recorded per device (empty until the coordinator has run)."""
         with self.connect() as db:
-            db.execute("UPDATE devices SET rounds = rounds + 1, last_round = ? WHERE name = ?", (round_no, name))
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            found: dict[str, Activity] = {}
+            if "presence" in tables:
+                for device, online, last_seen in db.execute("SELECT device, online, last_seen FROM presence"):
+                    found[device] = Activity(bool(online), last_seen)
+            if "device_rounds" in tables:
+                for device, rounds, last in db.execute("SELECT device, COUNT(DISTINCT round), MAX(round) FROM "
+                                                       "device_rounds WHERE accepted = 1 GROUP BY device"):
+                    entry = found.setdefault(device, Activity())
+                    entry.rounds, entry.last_round = rounds, last
+        return found
+
+
+@dataclass
+class Activity:
+    online: bool = False
+    last_seen: float | None = None
+    rounds: int = 0
+    last_round: int | None = None
 
 
 def _device(row: sqlite3.Row) -> Device:
-    values = dict(row)
-    values["online"] = bool(values["online"])
-    return Device(**values)
+    return Device(**dict(row))
 
 
 def match_owner(path: Path) -> None:

@@ -83,7 +83,7 @@ def _redeem(token: proto.EnrollmentToken, new_password: str, ca: str | None, tim
     answers: list[proto.EnrollAnswer] = []
     arrived = threading.Event()
     subscribed = threading.Event()
-    client = make_client(f"{token.device}-enroll-{secrets.token_hex(3)}", token.username, token.password, ca)
+    client = make_client(f"{token.device}-enroll-{secrets.token_hex(3)}", token.username, token.password, tls_ca=ca)
 
     def on_message(c, u, msg) -> None:  # noqa: ANN001
         try:
@@ -122,7 +122,7 @@ def _verify(config_host: str, port: int, device: str, password: str, ca: str | N
     """Connect with the new credentials; the broker may need a moment to reload its password file."""
     give_up = time.monotonic() + within
     while True:
-        client = make_client(f"{device}-check-{secrets.token_hex(3)}", device, password, ca)
+        client = make_client(f"{device}-check-{secrets.token_hex(3)}", device, password, tls_ca=ca)
         try:
             connect(client, config_host, port, timeout=5)
         except BrokerUnavailable as exc:

@@ -116,7 +116,7 @@ def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
         return 1, [f"enrolled:   config unusable: {exc}"]
     b, d = config.broker, config.device
     lines = [f"enrolled:   yes, device {d.id} in federation {d.federation} ({config_path})"]
-    client = make_client(f"{d.id}-status-{os.getpid()}", b.username, b.password, b.tls_ca or None)
+    client = make_client(f"{d.id}-status-{os.getpid()}", b.username, b.password, tls_ca=b.tls_ca or None)
     reachable = True
     try:
         connect(client, b.host, b.port, timeout=timeout)

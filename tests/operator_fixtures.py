@@ -36,22 +36,23 @@ def write_coordinator_config(root: Path, port: int, extra_broker: str = "") -> P
 [federation]
 name = "{FEDERATION}"
 model = "digits_mlp"
+test_data = "{root}/test.npz"
 
 [broker]
 host = "127.0.0.1"
 port = {port}
+password = "coordinator-password-for-tests"
 bind = "127.0.0.1"
-password_file = "{root}/mosquitto/edgefl/passwd"
+passwd_file = "{root}/mosquitto/edgefl/passwd"
 acl_file = "{root}/mosquitto/edgefl/acl"
 conf_file = "{root}/mosquitto/conf.d/edgefl.conf"
-coordinator_password_file = "{root}/state/coordinator.secret"
 pid_file = "{root}/run/mosquitto.pid"
 reload_command = ""
 message_size_limit = 1048576
 {extra_broker}
 
-[registry]
-path = "{root}/state/registry.db"
+[storage]
+state_dir = "{root}/state"
 
 [enrollment]
 token_hours = 24.0
@@ -100,10 +101,12 @@ def run_module(module: str, *args: str, timeout: float = 60, env: dict | None = 
                           cwd=PROJECT_ROOT, env=environment)
 
 
-def start_server(root: Path, extra_broker: str = "") -> Server:
+def start_server(root: Path, extra_broker: str = "", device_port: int = 0) -> Server:
     port = free_port()
+    if device_port:
+        extra_broker += f"\ndevice_port = {device_port}\n"
     config_path = write_coordinator_config(root, port, extra_broker)
-    config = load_config(config_path)
+    config = load_config(config_path, with_rounds=False)
     ops.write_broker_config(config)
     conf = debian_main_conf(root)
     log = root / "mosquitto.log"

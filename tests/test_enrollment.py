@@ -64,7 +64,7 @@ def test_enroll_writes_a_private_config_that_connects(server, desk, tmp_path):
     token = proto.decode_token(text)
     assert agent.device.signing_key == token.signing_key
     assert agent.broker.password != token.password  # the device made its own password
-    registry = Registry(server.config.registry.path)
+    registry = Registry(server.config.registry_path)
     device = registry.require("pi-07")
     assert device.state == ACTIVE and device.token_id is None
     assert registry.admission("pi-07") is None
@@ -84,7 +84,7 @@ def test_token_cannot_be_used_twice(server, desk, tmp_path):
 
 def test_token_is_refused_after_it_expires_even_if_the_device_clock_is_wrong(server, desk, tmp_path, monkeypatch):
     text = server.add("pi-07")
-    registry = Registry(server.config.registry.path)
+    registry = Registry(server.config.registry_path)
     with registry.connect() as db:  # the server's clock says it expired
         db.execute("UPDATE devices SET token_expires = ? WHERE name = 'pi-07'", (time.time() - 1,))
     with pytest.raises(EnrollError, match="expired"):
@@ -107,13 +107,14 @@ def test_no_desk_running_leaves_the_token_unused(server, tmp_path):
     text = server.add("pi-07")
     with pytest.raises(EnrollError, match="no answer from the coordinator"):
         enroll(text, tmp_path / "agent.toml", timeout=1)
-    assert Registry(server.config.registry.path).require("pi-07").token_valid()
+    assert Registry(server.config.registry_path).require("pi-07").token_valid()
 
 
 # registry ---------------------------------------------------------------------------------
 def test_registry_states_and_admission(tmp_path):
     registry = Registry(tmp_path / "r.db")
     assert stat.S_IMODE((tmp_path / "r.db").stat().st_mode) == 0o600
+    assert registry.admission("anyone") is None  # an empty registry: a fleet provisioned by hand
     registry.add("a", "f", "$7$hash", "00" * 32, "tok", time.time() + 60)
     assert registry.admission("a")[0] == "unknown_device"  # pending: not enrolled yet
     assert registry.admission("nobody")[0] == "unknown_device"
@@ -121,11 +122,10 @@ def test_registry_states_and_admission(tmp_path):
         registry.activate("a", "other-token", "$7$new")
     registry.activate("a", "tok", "$7$new")
     assert registry.admission("a") is None and registry.broker_users("f") == {"a": "$7$new"}
-    registry.record_contribution("a", 3)
-    assert (registry.require("a").rounds, registry.require("a").last_round) == (1, 3)
+    assert registry.signing_keys("f") == {"a": bytes(32)}
     registry.revoke("a")
     assert registry.require("a").state == REVOKED and registry.admission("a")[0] == "revoked"
-    assert registry.broker_users("f") == {}
+    assert registry.broker_users("f") == {} and registry.signing_keys("f") == {}
     with pytest.raises(RegistryError, match="stay revoked"):
         registry.reissue("a", "$7$x", "00", "t2", time.time() + 60)
     with pytest.raises(RegistryError, match="already exists"):
@@ -163,7 +163,7 @@ def test_unwritable_config_path_does_not_spend_the_token(server, tmp_path):
     blocker.write_text("")
     _one_line_error(run_module("edge_agent", "enroll", text, "--config", str(blocker / "agent.toml")),
                     "cannot write")
-    assert Registry(server.config.registry.path).require("pi-07").token_valid()
+    assert Registry(server.config.registry_path).require("pi-07").token_valid()
 
 
 def test_missing_coordinator_config_is_explained(tmp_path):
@@ -173,9 +173,9 @@ def test_missing_coordinator_config_is_explained(tmp_path):
 
 def test_bad_config_key_is_named(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("[broker]\nport = 70000\n")
+    path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\nport = 70000\n')
     _one_line_error(run_module("broker_coordinator", "devices", "list", "--config", str(path)), "[broker]: port")
-    path.write_text("[broker]\nprot = 1\n")
+    path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\nprot = 1\n')
     _one_line_error(run_module("broker_coordinator", "devices", "list", "--config", str(path)), "prot")
 
 
@@ -183,12 +183,16 @@ def test_config_env_override_and_rounds_section(server, monkeypatch):
     from broker_coordinator.config import load_config
     monkeypatch.setenv("EDGEFL_COORDINATOR_BROKER_PORT", "1999")
     monkeypatch.setenv("EDGEFL_COORDINATOR_ROUNDS_LR", "0.5")
-    config = load_config(server.config_path, with_rounds=True)
-    assert config.broker.port == 1999
-    rounds = config.round_settings()
-    assert rounds.algorithm == "fedavg" and rounds.round_timeout == 30.0 and rounds.lr == 0.5
-    raw = tomllib.loads(server.config_path.read_text())
-    assert set(raw) <= {"federation", "broker", "registry", "enrollment", "rounds"}
+    config = load_config(server.config_path)
+    assert config.broker.port == 1999 and config.broker.devices_port == 1999
+    assert config.rounds.algorithm == "fedavg" and config.rounds.round_timeout == 30.0 and config.rounds.lr == 0.5
+    assert config.registry_path == Path(config.storage.state_dir) / "coordinator.db"
+
+
+def test_tls_needs_a_separate_device_port(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\ntls_cert = "c"\ntls_key = "k"\n')
+    _one_line_error(run_module("broker_coordinator", "devices", "list", "--config", str(path)), "device_port")
 
 
 # TLS ---------------------------------------------------------------------------------------------
@@ -209,7 +213,8 @@ def self_signed(directory, name: str = "broker"):
 def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
     from .operator_fixtures import start_server, stop_server
     cert, key = self_signed(tmp_path / "pki")
-    server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"')
+    from broker_coordinator.broker import free_port
+    server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"', device_port=free_port())
     try:
         from broker_coordinator.enrollment import EnrollmentDesk
         client = ops.coordinator_client(server.config, "desk")
@@ -228,8 +233,8 @@ def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
         assert done.tls
         agent = load_agent_config(tmp_path / "etc" / "agent.toml")
         assert Path(agent.broker.tls_ca).read_text() == cert.read_text()
-        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, agent.broker.tls_ca)
-        connect(secure, "127.0.0.1", server.port, timeout=5)
+        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, tls_ca=agent.broker.tls_ca)
+        connect(secure, "127.0.0.1", server.config.broker.devices_port, timeout=5)
         secure.disconnect()
         secure.loop_stop()
         desk.stop()

@@ -33,7 +33,7 @@ def enrolled(server, name: str) -> str:
     """A device added and enrolled (token redeemed directly in the registry); returns its password."""
     text, token, _ = ops.add_device(server.config, name)
     password = f"{name}-password-0123456789"
-    registry = Registry(server.config.registry.path)
+    registry = Registry(server.config.registry_path)
     registry.activate(name, token.token_id, hash_password(password))
     ops.apply(server.config, registry)
     return password
@@ -47,7 +47,7 @@ def session(server, user: str, password: str, client_id: str | None = None) -> R
 
 
 def coordinator_session(server) -> Recorder:
-    return session(server, server.config.broker.coordinator_user, server.config.coordinator_password())
+    return session(server, server.config.broker.username, server.config.broker.password)
 
 
 def wait_until_accepted(server, user: str, password: str, within: float = 5.0) -> None:
@@ -186,12 +186,11 @@ def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
     from models.datasets import Dataset
 
     pa, pb = enrolled(server, "dev-a"), enrolled(server, "dev-b")
-    registry = Registry(server.config.registry.path)
+    registry = Registry(server.config.registry_path)
     test_set = Dataset(np.zeros((8, 60), np.float32), np.zeros(8, np.int64))
     coordinator = Coordinator(FEDERATION, "logreg60", test_set, RoundSettings(round_timeout=2.0))
     coordinator.admission = registry.admission
-    coordinator.connect("127.0.0.1", server.port, server.config.broker.coordinator_user,
-                        server.config.coordinator_password())
+    coordinator.connect("127.0.0.1", server.port, server.config.broker.username, server.config.broker.password)
     devices = {name: session(server, name, pw) for name, pw in (("dev-a", pa), ("dev-b", pb))}
     zero = {name: np.zeros_like(w) for name, w in coordinator.weights.items()}
 
@@ -202,16 +201,19 @@ def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
             client.publish(topics.update(FEDERATION, name), messages.encode("update", update), qos=1)
         recorder.client.on_message = on_task
         recorder.subscribe(topics.task(FEDERATION, name))
+        online = messages.encode("status", messages.Status(name, "online"))
+        recorder.client.publish(topics.status(FEDERATION, name), online, qos=1, retain=True).wait_for_publish(5)
 
     try:
         for name, recorder in devices.items():
             answer(name, recorder)
-        coordinator.online = {"dev-a": {}, "dev-b": {}}
+        coordinator.wait_for_devices(2, 10)
         registry.revoke("dev-b")  # in the registry only: the broker still lets dev-b in
         record = coordinator.run_round(1)
         assert record.participants == 1 and record.rejected == {"revoked": 1}
         registry.add("ghost", FEDERATION, "$7$x", "00" * 32, "t", time.time() + 60)
         assert registry.admission("ghost")[0] == "unknown_device"
+        assert registry.admission("stranger")[0] == "unknown_device"
     finally:
         for recorder in devices.values():
             recorder.close()
@@ -227,12 +229,16 @@ def test_devices_list_shows_online_state_and_registry_columns(server):
     try:
         a.client.publish(topics.status(FEDERATION, "dev-a"), messages.encode("status", messages.Status("dev-a", "online")),
                          qos=1, retain=True).wait_for_publish(5)
-        Registry(server.config.registry.path).record_contribution("dev-a", 4)
+        from broker_coordinator.store import Store
+        store = Store(server.config.storage.state_dir)  # what the coordinator records as rounds go by
+        store.record_presence("dev-a", True, {})
+        store.record_device_round(4, 1, "dev-a", True, None, {})
+        store.close()
         result = server.cli("devices", "list")
         assert result.returncode == 0, result.stderr
         rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:]}
         assert rows["dev-a"][1:3] == ["active", "online"] and rows["dev-a"][-2:] == ["1", "4"]
-        assert rows["dev-b"][1:3] == ["active", "offline"] and rows["dev-b"][3] == "-"
+        assert rows["dev-b"][1:3] == ["active", "offline"] and rows["dev-b"][3:] == ["-", "-", "-"]
         assert rows["dev-c"][1] == "pending"
     finally:
         a.close()

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from broker_coordinator.broker import render_fragment
-from broker_coordinator.config import CoordinatorConfig
 from edge_agent import service
 
 from .operator_fixtures import run_module
@@ -85,12 +84,20 @@ def test_coordinator_unit_settings():
         assert {"network-online.target", "mosquitto.service"} <= set(d[key][0].split()), key
 
 
-def test_shipped_mosquitto_fragment_is_what_broker_config_writes_by_default():
+def default_fragment(tmp_path: Path) -> str:
+    """What `broker-config` writes for a config that sets only the required keys."""
+    from broker_coordinator.config import load_config
     from broker_coordinator.devices import message_size_limit
-    config = CoordinatorConfig()
+    path = tmp_path / "coordinator.toml"
+    path.write_text('[federation]\ntest_data = "test.npz"\n[broker]\npassword = "x"\n')
+    config = load_config(path, with_rounds=False)
     b = config.broker
-    expected = render_fragment(b.port, Path(b.password_file), Path(b.acl_file), message_size_limit(config), b.bind)
-    assert (SYSTEMD / "mosquitto-edgefl.conf").read_text() == expected
+    return render_fragment(b.devices_port, Path(b.passwd_file), Path(b.acl_file), message_size_limit(config), b.bind,
+                           local_port=b.port)
+
+
+def test_shipped_mosquitto_fragment_is_what_broker_config_writes_by_default(tmp_path):
+    assert (SYSTEMD / "mosquitto-edgefl.conf").read_text() == default_fragment(tmp_path)
 
 
 # edge-agent install-service ---------------------------------------------------------------------
