@@ -61,6 +61,7 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        self._device_rows: list[tuple] = []  # buffered: one transaction per round, not one per update
 
     # checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
@@ -84,6 +85,14 @@ class Store:
 
     # rounds and devices -----------------------------------------------------------
     def record_round(self, r: dict[str, Any]) -> None:
+        """Write the round's row together with the device rows buffered since the last round."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT INTO device_rounds VALUES (?,?,?,?,?,?,?)", self._device_rows)
+            self._insert_round(r)
+        self._device_rows = []
+
+    def _insert_round(self, r: dict[str, Any]) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (r["round"], r["attempt"], r["closed"], r["selected"], r["participants"], r["accuracy"], r["loss"],
@@ -92,9 +101,8 @@ class Store:
 
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
                             metrics: dict[str, Any] | None) -> None:
-        self.db.execute("INSERT INTO device_rounds VALUES (?,?,?,?,?,?,?)",
-                        (round_no, attempt, device, int(accepted), reason,
-                         json.dumps(metrics) if metrics is not None else None, time.time()))
+        self._device_rows.append((round_no, attempt, device, int(accepted), reason,
+                                  json.dumps(metrics) if metrics is not None else None, time.time()))
 
     def record_presence(self, device: str, online: bool, profile: dict[str, Any]) -> None:
         self.db.execute("INSERT INTO presence VALUES (?,?,?,?) ON CONFLICT(device) DO UPDATE SET "

@@ -18,6 +18,8 @@ import psutil
 import torch
 from torch import nn
 
+from .optim import LocalSGD
+
 MIN_EPOCHS, MAX_EPOCHS = 3, 8
 HIGH_TAU = 0.15  # radians
 DEADLINE_MARGIN = 0.7  # plan to use at most this share of the time left
@@ -53,7 +55,7 @@ def calibrate(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, 
     """Training samples per second: SGD steps on random data for about `seconds`, on a copy of the model."""
     import copy
     trial = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(trial.parameters(), lr=1e-3)
+    optimizer = LocalSGD(list(trial.parameters()), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     x = torch.randn(batch_size, *input_shape)
     y = torch.randint(0, num_classes, (batch_size,))

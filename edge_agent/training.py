@@ -17,6 +17,8 @@ from torch import nn
 
 from edgefl_protocol.algorithms.base import ClientRule, Scalar
 from models.architectures import get_weights
+
+from .optim import LocalSGD
 from models.datasets import Dataset
 
 
@@ -47,8 +49,7 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
     start_weights = get_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
     global_params = [p.detach().clone() for p in params]
-    optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
-                                weight_decay=settings.weight_decay)
+    optimizer = LocalSGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     x_all, y_all = torch.from_numpy(data.x), torch.from_numpy(data.y)
     generator = torch.Generator().manual_seed(seed)
@@ -62,7 +63,7 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
             if should_stop and should_stop():
                 raise Stopped()
             batch = order[start:start + settings.batch_size]
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad()
             loss_sum += rule.compute_gradients(model, loss_fn, x_all[batch], y_all[batch])
             rule.adjust_gradients(params)
             if settings.grad_clip > 0:

@@ -151,13 +151,22 @@ def test_coordinator_sigkill_resumes_from_checkpoint(fleet_broker, tmp_path):
         fleet.stop()
 
 
-def test_status_command_reads_the_store(fleet_broker, tmp_path):
-    """`broker-coordinator status` on a state dir written by a real round."""
+def test_agent_sigterm_and_status_command(fleet_broker, tmp_path):
+    """An agent stops cleanly on SIGTERM; `broker-coordinator status` reads the state a real round wrote."""
     fleet = Fleet(tmp_path, fleet_broker, FED, ["dev-0"])
     coordinator = make_coordinator(fleet_broker, fleet, tmp_path, round_timeout=30)
     try:
         coordinator.wait_for_devices(1, 120)
         coordinator.run_round(1)
+        # SIGTERM: the agent flushes its state, says it is offline, and exits 0
+        agent = fleet.processes["dev-0"]
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        give_up = time.monotonic() + 10
+        while "dev-0" in coordinator.online and time.monotonic() < give_up:
+            coordinator._drain(0.2)
+        assert "dev-0" not in coordinator.online
+        assert (tmp_path / "dev-0" / "state" / "state.msgpack").exists()
     finally:
         coordinator.close()
         fleet.stop()
