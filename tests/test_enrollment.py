@@ -148,13 +148,36 @@ def test_invalid_device_name(server):
     _one_line_error(server.cli("devices", "add", "a/b"), "invalid device name")
 
 
-def test_garbled_and_used_tokens_on_the_command_line(server, desk, tmp_path):
+def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
+    """Through `broker-coordinator serve-enrollment` and `edge-agent enroll`, as separate processes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .operator_fixtures import PROJECT_ROOT
     _one_line_error(run_module("edge_agent", "enroll", "edgefl1.garbage.x", "--config", str(tmp_path / "a.toml")),
                     "garbled")
-    text = server.add("pi-07")
-    enroll(text, tmp_path / "first.toml", state_dir=str(tmp_path))
-    _one_line_error(run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "b.toml"),
-                               "--timeout", "5"), "already used")
+    log = tmp_path / "desk.log"
+    with open(log, "wb") as out:
+        desk = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "serve-enrollment", "--config",
+                                 str(server.config_path)], stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    try:
+        give_up = time.monotonic() + 20
+        while b"enrollment desk" not in log.read_bytes():
+            assert time.monotonic() < give_up and desk.poll() is None, log.read_text()
+            time.sleep(0.1)
+        text = server.add("pi-07")
+        first = run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "first.toml"),
+                           "--state-dir", str(tmp_path))
+        assert first.returncode == 0 and first.stdout.startswith("enrolled pi-07"), first.stderr
+        _one_line_error(run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "b.toml"),
+                                   "--timeout", "5"), "already used")
+    finally:
+        desk.send_signal(signal.SIGTERM)
+        assert desk.wait(timeout=15) == 0
+    assert "pi-07 enrolled" in log.read_text()
 
 
 def test_unwritable_config_path_does_not_spend_the_token(server, tmp_path):

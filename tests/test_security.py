@@ -232,7 +232,7 @@ def test_devices_list_shows_online_state_and_registry_columns(server):
         from broker_coordinator.store import Store
         store = Store(server.config.storage.state_dir)  # what the coordinator records as rounds go by
         store.record_presence("dev-a", True, {})
-        store.record_device_round(4, 1, "dev-a", True, None, {})
+        store.db.execute("INSERT INTO device_rounds VALUES (4, 1, 'dev-a', 1, NULL, '{}', 0)")
         store.close()
         result = server.cli("devices", "list")
         assert result.returncode == 0, result.stderr
