@@ -174,8 +174,10 @@ def rotate_device(config: CoordinatorConfig, name: str) -> tuple[str, tokens.Enr
 def revoke_device(config: CoordinatorConfig, name: str) -> str:
     registry = open_registry(config)
     registry.revoke(name)
-    note = apply(config, registry)
-    return note
+    try:
+        return apply(config, registry)
+    except BrokerError as exc:
+        raise BrokerError(f"{name} is revoked in the registry (its updates are rejected), but {exc}") from None
 
 
 @dataclass

@@ -39,8 +39,10 @@ log = logging.getLogger("broker_coordinator.enrollment")
 
 class EnrollmentDesk:
     def __init__(self, config: CoordinatorConfig, registry: Registry,
-                 apply_changes: Callable[[], str] | None = None, echo: Callable[[str], None] | None = None) -> None:
+                 apply_changes: Callable[[], str] | None = None, echo: Callable[[str], None] | None = None,
+                 on_enrolled: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.on_enrolled = on_enrolled
         self.registry = registry
         self.fed = config.federation.name
         self.apply_changes = apply_changes or (lambda: apply(config, registry))
@@ -107,6 +109,8 @@ class EnrollmentDesk:
         except (RuntimeError, ValueError):
             log.warning("answer to %s not confirmed by the broker", device)
         if answer.ok:
+            if self.on_enrolled:
+                self.on_enrolled(device)
             time.sleep(0.2)  # let the answer reach the device before its one-time session is dropped
             try:
                 note = self.apply_changes()

@@ -59,7 +59,13 @@ def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # n
     from .registry import Registry
     registry = Registry(config.registry_path)
     coordinator.admission = registry.admission
-    desk = EnrollmentDesk(config, registry)
+
+    def refresh_keys() -> None:  # signed updates (issue 4): the enrolled devices' keys, swapped in whole
+        if hasattr(coordinator, "device_keys"):
+            coordinator.device_keys = registry.signing_keys(config.federation.name)
+
+    refresh_keys()
+    desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())
     assert coordinator.session is not None
     desk.attach(coordinator.session.client)
     return desk

@@ -265,3 +265,12 @@ def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
         client.loop_stop()
     finally:
         stop_server(server)
+
+
+def test_revoke_says_so_when_the_broker_cannot_be_reloaded(server):
+    server.add("pi-07")
+    (server.root / "run" / "mosquitto.pid").unlink()  # as if mosquitto were not running
+    result = server.cli("devices", "revoke", "pi-07")
+    _one_line_error(result, "pi-07 is revoked in the registry")
+    assert "systemctl reload mosquitto" in result.stderr
+    assert Registry(server.config.registry_path).require("pi-07").state == REVOKED

@@ -242,3 +242,21 @@ def test_devices_list_shows_online_state_and_registry_columns(server):
         assert rows["dev-c"][1] == "pending"
     finally:
         a.close()
+
+
+def test_update_signed_with_another_devices_key_is_rejected(server):
+    """Against issue 4's signing helper (edgefl_protocol.signing: sign(payload, key) and
+    verify(data, key, who) raising Rejected('signature')), with the keys the registry hands the
+    coordinator. Skipped until that module is merged; the round-level check (Coordinator with
+    device_keys=registry.signing_keys(...)) comes with the same merge."""
+    signing = pytest.importorskip("edgefl_protocol.signing", reason="signed updates (issue 4) are not merged yet")
+    from edgefl_protocol.errors import Rejected
+    enrolled(server, "dev-a")
+    enrolled(server, "dev-b")
+    keys = Registry(server.config.registry_path).signing_keys(FEDERATION)
+    assert set(keys) == {"dev-a", "dev-b"} and keys["dev-a"] != keys["dev-b"]
+    payload = b"an update from dev-a"
+    assert signing.verify(signing.sign(payload, keys["dev-a"]), keys["dev-a"], "dev-a") == payload
+    with pytest.raises(Rejected) as rejected:
+        signing.verify(signing.sign(payload, keys["dev-b"]), keys["dev-a"], "dev-a")
+    assert rejected.value.reason == "signature"
