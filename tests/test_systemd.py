@@ -120,3 +120,13 @@ def test_install_service_without_root_prints_the_commands(monkeypatch, tmp_path)
 def test_install_service_bad_memory_is_one_line(tmp_path):
     result = run_module("edge_agent", "install-service", "--dry-run", "--memory-max", "lots")
     assert result.returncode == 2 and "not a systemd size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_install_service_as_root_checks_enrollment_and_systemd(monkeypatch, tmp_path):
+    monkeypatch.setattr(service.os, "geteuid", lambda: 0)
+    code, text = service.install(tmp_path / "agent.toml", "70%", dry_run=False, dest=tmp_path / "unit")
+    assert code == 1 and "enroll first" in text
+    (tmp_path / "agent.toml").write_text("")
+    monkeypatch.setattr(service.Path, "is_dir", lambda self: False if str(self) == "/run/systemd/system" else True)
+    code, text = service.install(tmp_path / "agent.toml", "70%", dry_run=False, dest=tmp_path / "unit")
+    assert code == 1 and "systemd is not running" in text and not (tmp_path / "unit").exists()
