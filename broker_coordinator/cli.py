@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local epochs per round; 0 = each agent chooses 3-8 from its measured speed and the deadline")
     sim.add_argument("--selection", choices=["random", "stability"], default="random",
                      help="cohort selection policy (stability: DR-SAM's, prefers low tau and high gamma)")
+    sim.add_argument("--normalize-steps", action="store_true",
+                     help="FedNova-style aggregation: normalize each delta by its local steps")
     sim.add_argument("--min-updates", type=_bounded(int, 1), default=1,
                      help="quorum: updates needed to close a round at its deadline")
     sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=32)
@@ -105,7 +107,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,
-                             selection=args.selection, min_updates=args.min_updates)
+                             selection=args.selection, min_updates=args.min_updates,
+                             normalize_steps=args.normalize_steps)
     simulate(spec, settings, echo=lambda line: print(line, flush=True))
     return 0
 

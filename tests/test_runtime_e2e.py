@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker
+from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker, free_port
 from broker_coordinator.coordinator import Coordinator, RoundSettings
 from broker_coordinator.rounds import RoundState
 from broker_coordinator.store import Store
@@ -152,12 +153,17 @@ def test_coordinator_sigkill_resumes_from_checkpoint(fleet_broker, tmp_path):
 
 
 def test_agent_sigterm_and_status_command(fleet_broker, tmp_path):
-    """An agent stops cleanly on SIGTERM; `broker-coordinator status` reads the state a real round wrote."""
+    """Prometheus shows the round; an agent stops cleanly on SIGTERM; `status` reads the state a real round wrote."""
     fleet = Fleet(tmp_path, fleet_broker, FED, ["dev-0"])
     coordinator = make_coordinator(fleet_broker, fleet, tmp_path, round_timeout=30)
     try:
         coordinator.wait_for_devices(1, 120)
+        port = free_port()
+        coordinator.metrics.serve(port)
         coordinator.run_round(1)
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'edgefl_rounds_total{outcome="complete"} 1.0' in scrape
+        assert "edgefl_updates_accepted_total 1.0" in scrape and "edgefl_test_accuracy" in scrape
         # SIGTERM: the agent flushes its state, says it is offline, and exits 0
         agent = fleet.processes["dev-0"]
         agent.send_signal(signal.SIGTERM)
