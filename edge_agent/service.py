@@ -113,7 +113,8 @@ def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        return 1, [f"enrolled:   config unusable: {exc}"]
+        hint = ": run 'sudo edge-agent status'" if "not readable" in str(exc) else ""
+        return 1, [f"enrolled:   config unusable: {exc}{hint}"]
     b, d = config.broker, config.device
     lines = [f"enrolled:   yes, device {d.id} in federation {d.federation} ({config_path})"]
     client = make_client(f"{d.id}-status-{os.getpid()}", b.username, b.password, tls_ca=b.tls_ca or None)
