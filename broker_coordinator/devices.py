@@ -168,16 +168,35 @@ def rotate_device(config: CoordinatorConfig, name: str) -> tuple[str, tokens.Enr
     registry = open_registry(config)
     token, text = _new_token(config, name)
     registry.reissue(name, hash_password(token.password), token.signing_key, token.token_id, token.expires)
-    return text, token, apply(config, registry)
+    note = apply(config, registry)
+    return text, token, note + clear_status(config, name)
 
 
 def revoke_device(config: CoordinatorConfig, name: str) -> str:
     registry = open_registry(config)
     registry.revoke(name)
     try:
-        return apply(config, registry)
+        note = apply(config, registry)
     except BrokerError as exc:
         raise BrokerError(f"{name} is revoked in the registry (its updates are rejected), but {exc}") from None
+    return note + clear_status(config, name)
+
+
+def clear_status(config: CoordinatorConfig, name: str) -> str:
+    """Remove the device's retained `online` status. Mosquitto 2.0.11 drops the session of a device
+    whose password is gone without publishing its will, so nobody else would say it is offline."""
+    client = coordinator_client(config, f"clear-{os.getpid()}")
+    try:
+        connect(client, config.broker.host, config.broker.port, timeout=5)
+    except Exception as exc:  # noqa: BLE001 - the credentials change is done; this is housekeeping
+        return f"; its retained status was not cleared ({exc})"
+    try:
+        info = client.publish(topics.status(config.federation.name, name), b"", qos=1, retain=True)
+        info.wait_for_publish(timeout=5)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return "; its retained status cleared"
 
 
 @dataclass

@@ -160,6 +160,9 @@ def test_revoked_device_is_kicked_and_cannot_reconnect(server):
     a, b = session(server, "dev-a", pa), session(server, "dev-b", pb)
     dropped = threading.Event()
     a.client.on_disconnect = lambda *args: dropped.set()
+    from edgefl_protocol import messages
+    online = messages.encode("status", messages.Status("dev-a", "online"))
+    a.client.publish(topics.status(FEDERATION, "dev-a"), online, qos=1, retain=True).wait_for_publish(5)
     try:
         result = server.cli("devices", "revoke", "dev-a")
         assert result.returncode == 0, result.stderr
@@ -173,6 +176,8 @@ def test_revoked_device_is_kicked_and_cannot_reconnect(server):
                          server=server)
             assert again.returncode != 0
         assert "dev-a" not in (server.root / "mosquitto/edgefl/passwd").read_text()
+        # Mosquitto drops the session without publishing a will: the CLI clears the retained status
+        assert "dev-a" not in ops.probe_statuses(server.config, 1.0)
     finally:
         a.client.loop_stop()
         b.close()
