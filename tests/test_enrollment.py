@@ -133,19 +133,35 @@ def test_registry_states_and_admission(tmp_path):
 
 
 # the CLIs' bad input: one line, non-zero, no traceback ---------------------------------------
+@pytest.fixture
+def coordinator_cli(capsys):
+    """`broker-coordinator ARGS` in this process (the end-to-end tests run it as a process)."""
+    from types import SimpleNamespace
+
+    from broker_coordinator.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
+
+
 def _one_line_error(result, expected: str) -> None:
     assert result.returncode != 0, result.stdout
     assert expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_unknown_device_name(server):
-    _one_line_error(server.cli("devices", "revoke", "nobody"), "no device named 'nobody'")
-    _one_line_error(server.cli("devices", "rotate", "nobody"), "no device named 'nobody'")
+def test_unknown_device_name(server, coordinator_cli):
+    config = ("--config", str(server.config_path))
+    _one_line_error(coordinator_cli("devices", "revoke", "nobody", *config), "no device named 'nobody'")
+    _one_line_error(coordinator_cli("devices", "rotate", "nobody", *config), "no device named 'nobody'")
 
 
-def test_invalid_device_name(server):
-    _one_line_error(server.cli("devices", "add", "a/b"), "invalid device name")
+def test_invalid_device_name(server, coordinator_cli):
+    _one_line_error(coordinator_cli("devices", "add", "a/b", "--config", str(server.config_path)), "invalid device name")
 
 
 def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
@@ -189,17 +205,17 @@ def test_unwritable_config_path_does_not_spend_the_token(server, tmp_path):
     assert Registry(server.config.registry_path).require("pi-07").token_valid()
 
 
-def test_missing_coordinator_config_is_explained(tmp_path):
-    result = run_module("broker_coordinator", "devices", "list", "--config", str(tmp_path / "none.toml"))
+def test_missing_coordinator_config_is_explained(tmp_path, coordinator_cli):
+    result = coordinator_cli("devices", "list", "--config", str(tmp_path / "none.toml"))
     _one_line_error(result, "does not exist")
 
 
-def test_bad_config_key_is_named(tmp_path):
+def test_bad_config_key_is_named(tmp_path, coordinator_cli):
     path = tmp_path / "c.toml"
     path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\nport = 70000\n')
-    _one_line_error(run_module("broker_coordinator", "devices", "list", "--config", str(path)), "[broker]: port")
+    _one_line_error(coordinator_cli("devices", "list", "--config", str(path)), "[broker]: port")
     path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\nprot = 1\n')
-    _one_line_error(run_module("broker_coordinator", "devices", "list", "--config", str(path)), "prot")
+    _one_line_error(coordinator_cli("devices", "list", "--config", str(path)), "prot")
 
 
 def test_config_env_override_and_rounds_section(server, monkeypatch):
@@ -212,10 +228,10 @@ def test_config_env_override_and_rounds_section(server, monkeypatch):
     assert config.registry_path == Path(config.storage.state_dir) / "coordinator.db"
 
 
-def test_tls_needs_a_separate_device_port(tmp_path):
+def test_tls_needs_a_separate_device_port(tmp_path, coordinator_cli):
     path = tmp_path / "c.toml"
     path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\ntls_cert = "c"\ntls_key = "k"\n')
-    _one_line_error(run_module("broker_coordinator", "devices", "list", "--config", str(path)), "device_port")
+    _one_line_error(coordinator_cli("devices", "list", "--config", str(path)), "device_port")
 
 
 # TLS ---------------------------------------------------------------------------------------------
@@ -267,10 +283,10 @@ def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
         stop_server(server)
 
 
-def test_revoke_says_so_when_the_broker_cannot_be_reloaded(server):
+def test_revoke_says_so_when_the_broker_cannot_be_reloaded(server, coordinator_cli):
     server.add("pi-07")
     (server.root / "run" / "mosquitto.pid").unlink()  # as if mosquitto were not running
-    result = server.cli("devices", "revoke", "pi-07")
+    result = coordinator_cli("devices", "revoke", "pi-07", "--config", str(server.config_path))
     _one_line_error(result, "pi-07 is revoked in the registry")
     assert "systemctl reload mosquitto" in result.stderr
     assert Registry(server.config.registry_path).require("pi-07").state == REVOKED
