@@ -184,6 +184,7 @@ def coordinator_worker(args: argparse.Namespace) -> None:
 
     def on_state(rnd):
         marks.setdefault(rnd.number, {})[rnd.state.value] = time.time()
+        marks[rnd.number][rnd.state.value + "_cpu"] = time.process_time()
 
     coordinator = Coordinator(FED, "mnist_cnn", data.test,
                               RoundSettings(round_timeout=600, min_updates=args.size, lr_decay=1.0),
@@ -196,12 +197,15 @@ def coordinator_worker(args: argparse.Namespace) -> None:
         record = coordinator.run_round(r)
         m = marks[r]
         collect = m["closed"] - m["collecting"]
+        cpu = m["closed_cpu"] - m["collecting_cpu"]  # this process only: paho's thread + validation + folding
         rows.append({"round": r, "participants": record.participants, "round_s": record.seconds,
-                     "collect_s": collect, "updates_per_s": record.participants / collect})
+                     "collect_s": collect, "updates_per_s": record.participants / collect,
+                     "updates_per_cpu_s": record.participants / cpu})
     coordinator.close()
     result = {"size": args.size, "rounds": rows,
               "round_s_median": statistics.median(r["round_s"] for r in rows),
               "updates_per_s_median": statistics.median(r["updates_per_s"] for r in rows),
+              "updates_per_coordinator_cpu_s_median": statistics.median(r["updates_per_cpu_s"] for r in rows),
               "coordinator_rss_mb_after_startup": rss_before,
               "coordinator_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     Path(args.result).write_text(json.dumps(result))
@@ -216,11 +220,11 @@ def write_table(path: Path, result: dict) -> None:
         lines.append(f"| {row['agents']} | {row['overhead_ratio']:.3f} | {row['overhead_ratio_with_eval_and_checkpoint']:.3f} "
                      f"| {row['agent_cpu_s_per_round_median']:.2f} |")
     lines += ["", "## Scale (simulated devices, precomputed float32 updates of the 80k CNN)", "",
-              "| devices | round completion s (median) | updates/s (median) | coordinator peak RSS MB |",
-              "| --- | --- | --- | --- |"]
+              "| devices | round completion s (median) | updates/s (median) | updates per coordinator CPU-second | coordinator peak RSS MB |",
+              "| --- | --- | --- | --- | --- |"]
     for row in result["scale"]:
         lines.append(f"| {row['size']} | {row['round_s_median']:.2f} | {row['updates_per_s_median']:.0f} "
-                     f"| {row['coordinator_peak_rss_mb']:.0f} |")
+                     f"| {row['updates_per_coordinator_cpu_s_median']:.0f} | {row['coordinator_peak_rss_mb']:.0f} |")
     fp = result["agent_footprint"]
     lines += ["", "## Agent footprint (one torch thread, MNIST CNN)", "",
               f"Peak agent RSS (median over agents) {fp['agent_peak_rss_mb']:.0f} MB; bare `import torch` "
@@ -232,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="all", choices=["all", "_coordinator"])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["overhead", "scale"], help="run one part; the other is kept from the last results")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--port", type=int)
     parser.add_argument("--password")
@@ -246,19 +251,27 @@ def main() -> None:
     agent_counts = [10] if args.quick else [10, 50]
     sizes = [100, 300] if args.quick else [100, 300, 1000]
     rounds = 3 if args.quick else 5
+    previous_path = args.out / "runtime.json"
+    previous = json.loads(previous_path.read_text()) if args.only and previous_path.exists() else {}
     with tempfile.TemporaryDirectory(prefix="edgefl-bench-") as tmp:
-        bare = bare_torch_rss()
-        overhead = [overhead_run(n, rounds, Path(tmp) / f"overhead-{n}") for n in agent_counts]
+        if args.only == "scale" and previous:
+            bare = previous["agent_footprint"]["bare_torch_rss_mb"] * 2**20
+            overhead = previous["overhead"]
+        else:
+            bare = bare_torch_rss()
+            overhead = [overhead_run(n, rounds, Path(tmp) / f"overhead-{n}") for n in agent_counts]
         for row in overhead:
             print(f"{row['agents']} agents: overhead ratio {row['overhead_ratio']:.3f}", flush=True)
-        scale = [scale_run(n, 3, Path(tmp) / f"scale-{n}") for n in sizes]
+        scale = (previous["scale"] if args.only == "overhead" and previous
+                 else [scale_run(n, 3, Path(tmp) / f"scale-{n}") for n in sizes])
         for row in scale:
             print(f"{row['size']} devices: {row['updates_per_s_median']:.0f} updates/s, "
                   f"peak RSS {row['coordinator_peak_rss_mb']:.0f} MB", flush=True)
     ten = overhead[0]
     agent_peak = statistics.median(ten["agent_peak_rss_mb"])
     result = {
-        "command": "python bench/runtime.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/runtime.py" + (" --quick" if args.quick else "")
+                   + (f" --only {args.only}" if args.only else ""),
         "machine": {"cores": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30)},
         "overhead_ratio": {str(r["agents"]): r["overhead_ratio"] for r in overhead},
         "updates_per_s": {str(r["size"]): r["updates_per_s_median"] for r in scale},

@@ -226,14 +226,15 @@ class Coordinator:
         self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
         try:
             update, delta = self._validate(current, device, data, arrived)
+            self._weight_and_steps(update)  # reject bad metrics before anything is folded in
         except Rejected as exc:
             self._reject(device, exc.reason, exc.detail, current)
             if self.store and current is not None:
                 self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
             return
         assert current is not None
-        weight = self.server_rule.weight(update.num_samples, update.metrics)
-        current.aggregate.add(delta, weight, int(update.metrics.get("steps", 1)) or 1)
+        weight, steps = self._weight_and_steps(update)
+        current.aggregate.add(delta, weight, steps)
         current.answered.add(device)
         current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples)
         current.bytes_up += len(data)
@@ -243,6 +244,18 @@ class Coordinator:
         if self.store:
             self.store.record_device_round(current.number, current.attempt, device, True, None,
                                            current.device_metrics[device])
+
+    def _weight_and_steps(self, update: messages.Update) -> tuple[float, int]:
+        steps = update.metrics.get("steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise Rejected("schema", f"metric 'steps' must be a positive integer, got {steps!r}")
+        try:
+            weight = float(self.server_rule.weight(update.num_samples, update.metrics))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Rejected("schema", f"metrics unusable by {self.algorithm.name}: {exc}") from None
+        if not (weight > 0 and weight < float("inf")):
+            raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
+        return weight, steps
 
     def _validate(self, current: Round | None, device: str, data: bytes,
                   arrived: float) -> tuple[messages.Update, dict]:

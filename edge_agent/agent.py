@@ -35,6 +35,26 @@ MAX_MODEL_VALUES = 16 * 1024 * 1024
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
 
 
+def local_settings(hp: dict) -> LocalSettings:
+    """The task's training settings, range-checked: a hostile task is rejected, not obeyed."""
+    try:
+        settings = LocalSettings(
+            epochs=int(hp.get("local_epochs", 2)), batch_size=int(hp.get("batch_size", 32)),
+            lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
+            weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)))
+    except (TypeError, ValueError) as exc:
+        raise Rejected("schema", f"task hyper-parameters are not numbers: {exc}") from None
+    checks = [(0 <= settings.epochs <= 100, "local_epochs must be 0-100"),
+              (1 <= settings.batch_size <= 65536, "batch_size must be 1-65536"),
+              (0 < settings.lr <= 10, "lr must be in (0, 10]"), (0 <= settings.momentum < 1, "momentum must be in [0, 1)"),
+              (0 <= settings.weight_decay <= 1, "weight_decay must be in [0, 1]"),
+              (0 <= settings.grad_clip < float("inf"), "grad_clip must be >= 0")]
+    for ok, message in checks:
+        if not ok:
+            raise Rejected("schema", message)
+    return settings
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -136,19 +156,25 @@ class Agent:
         except (ValueError, Rejected) as exc:
             log.error("round %d: cannot use task: %s", task.round, exc)
             return
+        try:
+            self._train_and_send(task, release, algorithm, model)
+        except Rejected as exc:
+            log.error("round %d: task rejected: %s", task.round, exc)
+        except Exception:  # a bug or a hostile task must not take the device's service down
+            log.exception("round %d: task failed; waiting for the next one", task.round)
+
+    def _train_and_send(self, task: messages.Task, release: messages.ModelRelease,
+                        algorithm: algorithms.Algorithm, model: torch.nn.Module) -> None:
         hp = task.hparams
-        epochs, epochs_reason = int(hp.get("local_epochs", 2)), "fixed by the coordinator"
+        settings = local_settings(hp)
+        epochs, epochs_reason = settings.epochs, "fixed by the coordinator"
         if epochs == 0:
             rule_state = self.state.section(algorithm.name)
             plan = plan_epochs(self._speed(release.arch, model), len(self.data), task.deadline - time.time(),
                                tau=float(rule_state.get("tau", 0.0)),
                                passes_per_step=float(hp.get("passes_per_step", 1.0)))
             epochs, epochs_reason = plan.epochs, plan.reason
-        settings = LocalSettings(
-            epochs=epochs, batch_size=int(hp.get("batch_size", 32)),
-            lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
-            weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)),
-        )
+        settings.epochs = epochs
         rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name))
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         self.busy = True

@@ -75,3 +75,47 @@ def test_backoff_grows_is_capped_and_jittered():
     assert all(0.5 <= d <= 1.0 for d in first)
     assert all(30.0 <= d <= 60.0 for d in late)
     assert len(set(round(d, 6) for d in late)) > 90  # no lock-step: every device waits differently
+
+
+def _coordinator_and_round(tmp_path):
+    from broker_coordinator.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.store import Store
+    from models import datasets
+
+    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(), store=Store(tmp_path))
+    return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, StreamingMean(c.specs))
+
+
+@pytest.mark.parametrize("metrics,body_fn,reason", [
+    ({"steps": "many"}, None, "schema"),
+    ({"steps": 0}, None, "schema"),
+    ({"steps": 2}, lambda w: {k: np.full_like(v, np.nan) for k, v in w.items()}, "non_finite"),
+    ({"steps": 2}, lambda w: {k: v[..., :1] for k, v in w.items()}, "shape"),
+])
+def test_bad_updates_are_counted_and_never_folded(tmp_path, metrics, body_fn, reason):
+    from edgefl_protocol import codec, messages
+
+    c, rnd = _coordinator_and_round(tmp_path)
+    zero = {k: np.zeros_like(v) for k, v in c.weights.items()}
+    body = codec.encode(body_fn(zero) if body_fn else zero)
+    before = {k: v.copy() for k, v in c.weights.items()}
+    c._on_update(rnd, "d1", messages.encode("update", messages.Update("d1", 1, 0, 10, metrics, body)), time.time())
+    assert c.rejections[reason] == 1 and rnd.aggregate.count == 0 and rnd.rejected[reason] == 1
+    assert all(np.array_equal(before[k], c.weights[k]) for k in before)
+    c._on_update(rnd, "d2", messages.encode("update", messages.Update("d2", 1, 0, 10, {"steps": 2}, codec.encode(zero))),
+                 time.time())
+    assert rnd.aggregate.count == 1  # the next good update is still accepted
+
+
+def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
+    from edgefl_protocol import codec, messages
+
+    c, rnd = _coordinator_and_round(tmp_path)
+    good = lambda d: messages.encode("update", messages.Update(d, 1, 0, 10, {"steps": 1}, codec.encode(  # noqa: E731
+        {k: np.zeros_like(v) for k, v in c.weights.items()})))
+    c._on_update(rnd, "d1", good("d1"), time.time())
+    c._on_update(rnd, "d1", good("d1"), time.time())
+    c._on_update(rnd, "d9", good("d9"), time.time())
+    c._on_update(rnd, "d2", good("d1"), time.time())  # d2's topic, d1's claim
+    assert (c.rejections["duplicate"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
+    assert rnd.aggregate.count == 1

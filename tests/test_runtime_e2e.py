@@ -180,7 +180,7 @@ def test_agent_sigterm_and_status_command(fleet_broker, tmp_path):
     config.write_text(to_toml({"federation": {"name": FED, "model": "digits_mlp", "test_data": "unused.npz"},
                                "broker": {"password": "x"}, "storage": {"state_dir": str(tmp_path / "coordinator")}}))
     result = subprocess.run([sys.executable, "-m", "broker_coordinator", "status", "--config", str(config)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "last round 1 (model version 1" in result.stdout
     assert "dev-0" in result.stdout and "rounds contributed 1" in result.stdout
