@@ -132,6 +132,9 @@ class Coordinator:
         self.last_metrics: dict[str, dict[str, Any]] = {}
         self.closed_at: dict[int, float] = {}
         self.rejections: Counter[str] = Counter()
+        # device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects
+        # unknown and revoked devices. None: every device the broker lets in is admitted (simulate).
+        self.admission: Callable[[str], tuple[str, str] | None] | None = None
         self.inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.session: Session | None = None
@@ -256,6 +259,9 @@ class Coordinator:
 
     def _validate(self, current: Round | None, device: str, data: bytes,
                   arrived: float) -> tuple[messages.Update, dict]:
+        refused = self.admission(device) if self.admission else None
+        if refused:
+            raise Rejected(*refused)
         update = messages.decode_update(data, self.max_update_bytes)
         if update.device != device:
             raise Rejected("sender", f"topic says {device} but the update claims {update.device}")

@@ -31,6 +31,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     coordinator.connect(b.host, b.port, b.username, b.password, keepalive=b.keepalive)
+    desk = attach_enrollment(config, coordinator)
     echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
          f"starting at round {coordinator.next_round}")
     try:
@@ -45,9 +46,29 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                 continue
             echo(format_round(json.loads(json.dumps(record.__dict__)), fed.rounds or record.round))
     finally:
+        desk.stop()
         coordinator.close()
     echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
     return 0
+
+
+def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # noqa: ANN201 - an EnrollmentDesk
+    """The device registry admits updates (unknown and revoked devices are rejected) and the
+    enrollment desk redeems tokens on the coordinator's own session."""
+    from .enrollment import EnrollmentDesk
+    from .registry import Registry
+    registry = Registry(config.registry_path)
+    coordinator.admission = registry.admission
+
+    def refresh_keys() -> None:  # signed updates (issue 4): the enrolled devices' keys, swapped in whole
+        if hasattr(coordinator, "device_keys"):
+            coordinator.device_keys = registry.signing_keys(config.federation.name)
+
+    refresh_keys()
+    desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())
+    assert coordinator.session is not None
+    desk.attach(coordinator.session.client)
+    return desk
 
 
 def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:

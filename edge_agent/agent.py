@@ -73,7 +73,8 @@ class Agent:
         b = config.broker
         self.session = Session(self.device, b.username, b.password, b.host, b.port, self._on_connect,
                                self._on_message, keepalive=b.keepalive,
-                               will=(topics.status(self.fed, self.device), self._status("offline")))
+                               will=(topics.status(self.fed, self.device), self._status("offline")),
+                               tls_ca=b.tls_ca or None)
 
     def _status(self, state: str) -> bytes:
         return messages.encode("status", messages.Status(self.device, state, {**self.profile, "busy": self.busy}))
