@@ -5,8 +5,8 @@ that it matches `broker-coordinator simulate` up to noise.
 
 What is identical to a run over MQTT: model initialisation (build_model(arch,
 seed)), the task hyper-parameters (RoundSettings.task_hparams, lr decay
-included), cohort selection (ServerRule.choose_cohort with random.Random(seed)
-over sorted device names), per-device state dicts, the order of updates, the
+included), cohort selection (selection.select with random.Random(seed) over sorted
+device names), per-device state dicts, the order of updates, the
 server rule. What differs: no codec (float32 either way), no deadline, and
 the local shuffling seed (`mirror_agent_seed` reproduces the agent's).
 """
@@ -23,7 +23,9 @@ import torch
 from broker_coordinator.aggregation import StreamingMean
 from broker_coordinator.coordinator import RoundSettings
 from broker_coordinator.evaluation import evaluate
-from edge_agent.training import LocalSettings, train_locally
+from broker_coordinator.selection import select
+from edge_agent.agent import local_settings
+from edge_agent.training import train_locally
 from edgefl_protocol import algorithms
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from models.architectures import build_model, get_weights, set_weights
@@ -48,13 +50,6 @@ class RunResult:
     signals: list[dict] = field(default_factory=list)  # per round: {device: metrics}
 
 
-def local_settings(hp: dict) -> LocalSettings:
-    """Exactly what edge_agent.agent builds from a task."""
-    return LocalSettings(epochs=int(hp.get("local_epochs", 2)), batch_size=int(hp.get("batch_size", 32)),
-                         lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
-                         weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)))
-
-
 def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: bool = False,
         keep_signals: bool = False, progress=None) -> RunResult:
     settings.validate()
@@ -68,14 +63,16 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
     data = dict(zip(devices, fed.clients))
     states: dict[str, dict] = {d: {} for d in devices}
     rng = random.Random(seed)
+    last_metrics: dict[str, dict] = {}
     result = RunResult([], [], [])
     for round_no in range(1, fed.rounds + 1):
         server.start_round(round_no, len(devices))
         k = len(devices) if settings.clients_per_round == 0 else min(settings.clients_per_round, len(devices))
-        cohort = sorted(server.choose_cohort(devices, k, rng))
+        cohort = sorted(select(settings.selection, devices, k, rng, last_metrics))
         hp = settings.task_hparams(round_no)
         broadcast, tensors = server.broadcast(), server.broadcast_tensors()
-        deltas, extras = StreamingMean(specs), StreamingMean(extra_specs) if extra_specs else None
+        deltas = StreamingMean(specs, normalize_steps=settings.normalize_steps)
+        extras = StreamingMean(extra_specs) if extra_specs else None
         reported = {}
         for device in cohort:
             local = build_model(fed.arch)
@@ -85,12 +82,13 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
                           else zlib.crc32(f"{device}/{round_no}/{seed}".encode()))
             out = train_locally(local, data[device], rule, local_settings(hp), local_seed)
             delta = {n: a for n, a in out.delta.items() if not n.startswith(EXTRA_PREFIX)}
-            deltas.add(delta, server.weight(out.num_samples, out.metrics))
+            deltas.add(delta, server.weight(out.num_samples, out.metrics), int(out.metrics["steps"]))
             if extras is not None:
                 extras.add({n: out.delta[n] for n in extra_specs}, 1.0)
             server.observe(device, out.num_samples, out.metrics)
             result.local_seconds.append(float(out.metrics["train_seconds"]))
             reported[device] = {"num_samples": out.num_samples, **out.metrics}
+            last_metrics[device] = dict(out.metrics)
         weights = server.new_global(weights, deltas.mean(), extras.mean() if extras is not None else None)
         set_weights(model, weights)
         accuracy, loss = evaluate(model, fed.test)

@@ -15,11 +15,11 @@ Client side, per round, in the order the loop calls them:
 
 Server side, per round:
     start_round(round_no, population)     population = devices that could have been asked
-    choose_cohort(online, k, rng)         which devices train this round
     weight(num_samples, metrics)          how much one delta counts in the weighted mean
     observe(device, num_samples, metrics) every accepted update, for server state (signals)
     new_global(global, mean_delta, mean_extras)  the server rule; extras are averaged uniformly
     broadcast() / broadcast_tensors()     scalars sent with the tasks / tensors sent with the model
+    state() / load_state(state)           the server's aggregate, checkpointed after every round
 
 Algorithm state that must survive restarts lives in `self.state` on the
 client (a DeviceState section, saved by the agent once per round) and in the
@@ -29,7 +29,6 @@ ServerRule object on the coordinator (one aggregate, never one copy per client).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -120,9 +119,6 @@ class ServerRule:
     def start_round(self, round_no: int, population: int) -> None:
         self.round, self.population = round_no, population
 
-    def choose_cohort(self, online: Sequence[str], k: int, rng: random.Random) -> list[str]:
-        return rng.sample(list(online), k)
-
     def weight(self, num_samples: int, metrics: Mapping[str, Scalar]) -> float:
         """n_k (default), or 1 with hparam weighting = "uniform" (the FedDyn / FedSMOO papers' mean)."""
         return 1.0 if self.hparams.get("weighting", "size") == "uniform" else float(num_samples)
@@ -144,3 +140,10 @@ class ServerRule:
     def broadcast_tensors(self) -> dict[str, np.ndarray]:
         """Tensors released with the model (names start with `extra.`)."""
         return {}
+
+    def state(self) -> dict[str, Any]:
+        """What must survive a coordinator restart (checkpointed after every round)."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        pass

@@ -22,27 +22,26 @@ recomputed from this round's sigma and the previous participation's gamma and ta
 Warm-up (first 3 rounds): gamma := 1, lambda := 0, no perturbation: exactly FedAvg's local update.
 Local step (note section 3.3): g_reg = grad L(theta + eps) + 2 lambda (theta - theta_t), then
 clip_grad_norm(g_reg, 10), then SGD (+momentum): the pull enters the momentum with the data.
-Local epochs: E is halved (at least 1) when the previous tau exceeds 0.15 rad.
+Local epochs: E is halved (at least 1) when the previous tau exceeds 0.15 rad (with local_epochs = 0
+the agent's hardware plan, edge_agent/hardware.py, applies this rule itself).
 CPU-sized (`sam_every` = k > 1): fresh SAM passes in the first and last m steps (the signals need
 them) and every k-th step; the last eps is reused in between (k = 0: eps follows the previous
 step's descent gradient outside the first and last m steps; see sam.py).
 
 Server:
     weights p_k ~ n_k (default) or n_k exp(-lambda_k) (`lambda_weighting` = 1)
-    selection: uniform (default) or stability-aware (`stable_selection` = 1): half the cohort uniform
-      over all online devices, the rest preferring devices with tau < 0.15 and gamma > 0.7 or no history
+    selection: the coordinator's `selection = "stability"` policy (broker_coordinator/selection.py)
+      implements the note's stability-aware selection from the signals reported here
     broadcast: round, warmup flag, median sigma (0 until the calibration rounds are over)
 
 Parameters (defaults): a 0.4, b 0.5, c 0.1, lambda_min 0.01, lambda_max 0.3, rho_min 0.001,
 rho_max 0.05, m 5, warmup_rounds 3, calibration_rounds 10, ratio_min 0.25, ratio_max 4,
-tau_high 0.15, gamma_dynamic_baseline 0, halve_epochs 1, sam_every 1, lambda_weighting 0,
-stable_selection 0. Gradient clipping (10) is the shared `grad_clip` setting.
+tau_high 0.15, gamma_dynamic_baseline 0, halve_epochs 1, sam_every 1, lambda_weighting 0. Gradient clipping (10) is the shared `grad_clip` setting.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -57,7 +56,7 @@ DEFAULT_HPARAMS: dict[str, float | str] = {
     "a": 0.4, "b": 0.5, "c": 0.1, "lambda_min": 0.01, "lambda_max": 0.3, "rho_min": 0.001, "rho_max": 0.05,
     "m": 5, "warmup_rounds": 3, "calibration_rounds": 10, "ratio_min": 0.25, "ratio_max": 4.0,
     "tau_high": 0.15, "gamma_dynamic_baseline": 0, "halve_epochs": 1, "sam_every": 1,
-    "lambda_weighting": 0, "stable_selection": 0, "weighting": "size",
+    "lambda_weighting": 0, "weighting": "size",
 }
 NOISE_FRACTION = 0.01       # |sigma| below this fraction of L(theta) is numerical noise
 RECALIBRATE_BELOW = -0.05   # raw sigma below this: re-measure along a random direction
@@ -132,7 +131,8 @@ class Client(SAMClient):
         return float(self.hparams.get(name, DEFAULT_HPARAMS[name]))
 
     def local_epochs(self, epochs: int) -> int:
-        if self.h("halve_epochs") and self.state.get("tau", 0.0) > self.h("tau_high"):
+        planned_by_agent = int(self.hparams.get("local_epochs", 1)) == 0  # plan_epochs already used tau
+        if self.h("halve_epochs") and not planned_by_agent and self.state.get("tau", 0.0) > self.h("tau_high"):
             return max(1, epochs // 2)
         return epochs
 
@@ -241,7 +241,6 @@ class Server(ServerRule):
     def __init__(self, hparams: Mapping[str, Scalar]):
         super().__init__({**DEFAULT_HPARAMS, **hparams})
         self.sigma_sums: dict[str, list[float]] = {}   # device -> [sum, count] over calibration rounds
-        self.last_signals: dict[str, tuple[float, float]] = {}  # device -> (gamma, tau)
 
     def h(self, name: str) -> float:
         return float(self.hparams[name])
@@ -263,20 +262,14 @@ class Server(ServerRule):
             return base * math.exp(-float(metrics.get("lambda", 0.0)))
         return base
 
+    def state(self) -> dict:
+        return {"sigma_sums": {d: list(v) for d, v in self.sigma_sums.items()}}
+
+    def load_state(self, state) -> None:
+        self.sigma_sums = {d: [float(v[0]), int(v[1])] for d, v in state.get("sigma_sums", {}).items()}
+
     def observe(self, device: str, num_samples: int, metrics: Mapping[str, Scalar]) -> None:
-        self.last_signals[device] = (float(metrics.get("gamma", 1.0)), float(metrics.get("tau", 0.0)))
         if not self.warmup() and self.round <= self.h("calibration_rounds") and "sigma" in metrics:
             acc = self.sigma_sums.setdefault(device, [0.0, 0])
             acc[0] += float(metrics["sigma"])
             acc[1] += 1
-
-    def choose_cohort(self, online: Sequence[str], k: int, rng: random.Random) -> list[str]:
-        if not self.h("stable_selection"):
-            return super().choose_cohort(online, k, rng)
-        uniform = rng.sample(list(online), k // 2 + k % 2)
-        rest = [d for d in online if d not in uniform]
-        stable = [d for d in rest if d not in self.last_signals
-                  or (self.last_signals[d][1] < self.h("tau_high") and self.last_signals[d][0] > 0.7)]
-        chosen = rng.sample(stable, min(len(stable), k - len(uniform)))
-        others = [d for d in rest if d not in chosen]
-        return uniform + chosen + rng.sample(others, k - len(uniform) - len(chosen))

@@ -139,6 +139,13 @@ class Server(DualServer):
             if key in metrics:
                 seen[key] = float(metrics[key])
 
+    def state(self) -> dict:
+        return {**super().state(), "latest": self.latest}
+
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        self.latest = {d: dict(v) for d, v in state.get("latest", {}).items()}
+
     def broadcast(self) -> dict[str, Scalar]:
         sigmas = [s["sigma"] for s in self.latest.values() if "sigma" in s]
         disagreements = [1 - s["gamma"] for s in self.latest.values() if "gamma" in s]

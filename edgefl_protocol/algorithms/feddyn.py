@@ -75,6 +75,13 @@ class DualServer(ServerRule):
         return {name: (global_params[name] + mean_delta[name] + self.H[name]).astype(np.float32)
                 for name in global_params}
 
+    def state(self) -> dict:
+        return {"H": self.H} if self.H is not None else {}
+
+    def load_state(self, state) -> None:
+        if "H" in state:
+            self.H = {name: np.asarray(a, dtype=np.float64) for name, a in state["H"].items()}
+
     def start_round(self, round_no: int, population: int) -> None:
         super().start_round(round_no, population)
         self.cohort_size = 0

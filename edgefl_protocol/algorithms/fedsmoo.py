@@ -85,3 +85,10 @@ class Server(DualServer):
 
     def broadcast_tensors(self) -> dict[str, np.ndarray]:
         return dict(self.s)
+
+    def state(self) -> dict:
+        return {**super().state(), "s": self.s}
+
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        self.s = {name: np.asarray(a, dtype=np.float32) for name, a in state.get("s", {}).items()}

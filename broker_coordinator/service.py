@@ -1,0 +1,95 @@
+"""`broker-coordinator run`: the production loop, and `status`: the federation at a glance."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from typing import Callable
+
+from models.datasets import load_npz
+
+from .config import CoordinatorConfig
+from .coordinator import Coordinator, RoundFailed
+from .metrics import Metrics
+from .report import format_round
+from .store import Store
+
+log = logging.getLogger("broker_coordinator")
+
+
+def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    fed, b = config.federation, config.broker
+    test_set = load_npz(fed.test_data)
+    metrics = Metrics()
+    if config.metrics.port:
+        metrics.serve(config.metrics.port, config.metrics.bind)
+    coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
+                              store=Store(config.storage.state_dir), metrics=metrics)
+    stop = lambda *_: coordinator.stopping.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    coordinator.connect(b.host, b.port, b.username, b.password, keepalive=b.keepalive)
+    desk = attach_enrollment(config, coordinator)
+    echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
+         f"starting at round {coordinator.next_round}")
+    try:
+        while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
+            try:
+                record = coordinator.run_round()
+            except RoundFailed as exc:
+                if coordinator.stopping.is_set():
+                    break
+                log.error("%s; waiting before the next attempt", exc)
+                coordinator.stopping.wait(config.rounds.round_timeout)
+                continue
+            echo(format_round(json.loads(json.dumps(record.__dict__)), fed.rounds or record.round))
+    finally:
+        desk.stop()
+        coordinator.close()
+    echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
+    return 0
+
+
+def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # noqa: ANN201 - an EnrollmentDesk
+    """The device registry admits updates (unknown and revoked devices are rejected) and the
+    enrollment desk redeems tokens on the coordinator's own session."""
+    from .enrollment import EnrollmentDesk
+    from .registry import Registry
+    registry = Registry(config.registry_path)
+    coordinator.admission = registry.admission
+
+    def refresh_keys() -> None:  # signed updates (issue 4): the enrolled devices' keys, swapped in whole
+        if hasattr(coordinator, "device_keys"):
+            coordinator.device_keys = registry.signing_keys(config.federation.name)
+
+    refresh_keys()
+    desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())
+    assert coordinator.session is not None
+    desk.attach(coordinator.session.client)
+    return desk
+
+
+def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    store = Store(config.storage.state_dir)
+    try:
+        ckpt = store.load_checkpoint()
+        rounds = [r for r in store.rounds() if r["closed"] != "abandoned"]
+        devices = store.devices()
+    finally:
+        store.close()
+    echo(f"federation {config.federation.name!r}, model {config.federation.model}, state in {config.storage.state_dir}")
+    if ckpt is None:
+        echo("no round finished yet")
+    else:
+        last = rounds[-1] if rounds else ckpt.record
+        echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
+             f"accuracy {100 * last['accuracy']:.2f}%, {last['participants']}/{last['selected']} participants")
+    online = sum(1 for d in devices if d["online"])
+    echo(f"devices: {online} online of {len(devices)} seen")
+    for d in devices:
+        seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
+        echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
+             f"rounds contributed {d['rounds']}")
+    return 0
