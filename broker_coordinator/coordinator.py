@@ -3,8 +3,10 @@
 One round:
   1. publish the global model once per version (retained) and a task per
      selected device, with a deadline;
-  2. validate every update that arrives (schema, round, sender, shapes, finite
-     values) and fold it into a streaming weighted mean;
+  2. validate every update that arrives (size cap, then the device's HMAC
+     signature before anything is parsed, then schema, sender, replay, round
+     and model-version freshness, cohort, deadline, codec, shapes, finite
+     values, norm bound) and fold it into a streaming weighted mean;
   3. close when every selected device has answered, or at the deadline if at
      least `min_updates` arrived; apply the server rule; evaluate.
 
@@ -20,9 +22,12 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-from edgefl_protocol import algorithms, codec, messages, topics
+import numpy as np
+
+from edgefl_protocol import algorithms, codec, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
 from models.architectures import build_model, get_weights, set_weights
@@ -48,7 +53,10 @@ class RoundSettings:
     grad_clip: float = 10.0
     round_timeout: float = 300.0  # seconds from task to deadline
     min_updates: int = 1  # quorum needed to close a round at its deadline
-    codec: str = "float32"
+    codec: str = "float32"  # uplink codec the tasks name (see edgefl_protocol.codec)
+    model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
+    model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
+    max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no bound
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
@@ -63,11 +71,14 @@ class RoundSettings:
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (self.round_timeout > 0, "round_timeout must be > 0"),
             (self.min_updates >= 1, "min_updates must be >= 1"),
-            (self.codec in codec.CODECS, f"codec must be one of {', '.join(codec.CODECS)}"),
+            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
+            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        codec.parse(self.codec)
+        downlink.check_model_codec(self.model_codec)
 
     def task_hparams(self, round_no: int) -> dict[str, float]:
         algorithm = algorithms.get(self.algorithm)
@@ -94,7 +105,7 @@ class RoundRecord:
 
 class Coordinator:
     def __init__(self, federation: str, arch: str, test_set: Dataset, settings: RoundSettings,
-                 seed: int = 0) -> None:
+                 seed: int = 0, device_keys: Mapping[str, bytes] | None = None) -> None:
         settings.validate()
         self.fed = topics.check_name("federation", federation)
         self.arch = arch
@@ -111,6 +122,9 @@ class Coordinator:
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.rejections: Counter[str] = Counter()
+        self.device_keys: dict[str, bytes] = dict(device_keys or {})  # device -> HMAC key (enrollment)
+        self.accepted: set[tuple[str, int]] = set()  # (device, round) of every accepted update: replay guard
+        self.published: tuple[int, int] | None = None  # (version, chunks) of the retained model
         self.inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue()
         self.client = make_client(f"{COORDINATOR_USER}-{federation}", COORDINATOR_USER, "")
         self.client.on_connect = self._on_connect
@@ -165,6 +179,27 @@ class Coordinator:
         self.rejections[reason] += 1
         log.warning("update from %s rejected: %s: %s", device, reason, detail)
 
+    def _check_header(self, update: messages.Update, device: str, round_no: int) -> None:
+        """Header checks after the signature: sender, federation, replay, freshness, codec."""
+        if update.device != device:
+            raise Rejected("sender", f"topic says {device} but the update claims {update.device}")
+        if update.federation != self.fed:
+            raise Rejected("federation", f"update is for federation {update.federation!r}, this is {self.fed!r}")
+        if (device, update.round) in self.accepted:
+            raise Rejected("replay", f"{device} already had an update accepted for round {update.round}")
+        if update.round != round_no:
+            raise Rejected("stale", f"update is for round {update.round}, round {round_no} is open")
+        if update.model_version != self.version:
+            raise Rejected("stale_model", f"update was trained from model version {update.model_version}, "
+                                          f"the current version is {self.version}")
+        if update.codec != codec.parse(self.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
+
+    def _check_norm(self, delta: Mapping[str, np.ndarray]) -> None:
+        bound = self.settings.max_update_norm
+        if bound and (norm := _norm(delta)) > bound:
+            raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
+
     def wait_for_devices(self, count: int, timeout: float, progress: Any = None) -> None:
         give_up = time.monotonic() + timeout
         last_seen = -1
@@ -180,11 +215,21 @@ class Coordinator:
 
     # rounds -------------------------------------------------------------------------
     def _publish_model(self) -> None:
-        release = messages.ModelRelease(self.version, self.arch, codec.encode(self.weights, "float32"))
-        self.client.publish(topics.model(self.fed, self.version), messages.encode("model", release),
+        """Once per version: retained chunks, then the retained manifest; clear the previous version."""
+        if self.published and self.published[0] == self.version:
+            return
+        manifest, chunks = downlink.release(self.version, self.arch, self.weights, self.settings.model_codec,
+                                            self.settings.model_chunk_bytes)
+        for i, chunk in enumerate(chunks):
+            self.client.publish(topics.model_chunk(self.fed, self.version, i), chunk, qos=1, retain=True)
+        self.client.publish(topics.model(self.fed, self.version), messages.encode("model", manifest),
                             qos=1, retain=True).wait_for_publish(timeout=30)
-        if self.version > 0:  # clear the previous version's retained copy
-            self.client.publish(topics.model(self.fed, self.version - 1), b"", qos=1, retain=True)
+        if self.published:  # clear the previous version's retained copies
+            old, count = self.published
+            self.client.publish(topics.model(self.fed, old), b"", qos=1, retain=True)
+            for i in range(count):
+                self.client.publish(topics.model_chunk(self.fed, old, i), b"", qos=1, retain=True)
+        self.published = (self.version, len(chunks))
 
     def run_round(self, round_no: int) -> RoundRecord:
         started = time.time()
@@ -208,24 +253,23 @@ class Coordinator:
         def fold(device: str, data: bytes, arrived: float) -> None:
             nonlocal bytes_up
             try:
-                update = messages.decode_update(data, self.max_update_bytes)
-                if update.device != device:
-                    raise Rejected("sender", f"topic says {device} but the update claims {update.device}")
-                if update.round != round_no:
-                    raise Rejected("stale", f"update is for round {update.round}, round {round_no} is open")
+                # size cap and the device's signature come first: nothing is parsed before them
+                update = messages.decode_update(data, self.max_update_bytes, self.device_keys.get(device), device)
+                self._check_header(update, device, round_no)
                 if device not in cohort:
                     raise Rejected("not_selected", f"{device} was not selected for round {round_no}")
-                if device in answered:
-                    raise Rejected("duplicate", f"{device} already answered round {round_no}")
                 if arrived > deadline:
-                    raise Rejected("late", f"round {round_no} closed at {time.strftime('%H:%M:%S', time.localtime(deadline))}")
-                delta = codec.decode(update.body, self.specs, self.max_values)
+                    raise Rejected("late", f"round {round_no} closed at {time.strftime('%H:%M:%S', time.localtime(deadline))}, "
+                                           f"update arrived {time.strftime('%H:%M:%S', time.localtime(arrived))}")
+                delta = codec.decode(update.codec, update.specs, update.body, self.specs, self.max_values)
+                self._check_norm(delta)
                 weight = self.server_rule.weight(update.num_samples, update.metrics)
             except Rejected as exc:
                 self._reject(device, exc.reason, exc.detail)
                 return
             aggregate.add(delta, weight)
             answered.add(device)
+            self.accepted.add((device, round_no))
             bytes_up += len(data)
 
         while answered != cohort and time.time() < deadline:
@@ -244,6 +288,10 @@ class Coordinator:
         new_rejections = self.rejections - rejected_before
         return RoundRecord(round_no, aggregate.count, len(cohort), accuracy, loss, bytes_up,
                            time.time() - started, dict(new_rejections), closed)
+
+
+def _norm(tensors: Mapping[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.dot(a.ravel().astype(np.float64), a.ravel())) for a in tensors.values())))
 
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:
