@@ -34,6 +34,7 @@ any problem raises `Rejected` (never another exception).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -85,7 +86,12 @@ class CodecSpec:
 def parse(name: str) -> CodecSpec:
     """A codec name -> its spec; ValueError names what is wrong (use it to validate config)."""
     if not isinstance(name, str) or not name or len(name) > 64:
-        raise ValueError(f"codec must be a non-empty name, got {name!r}")
+        raise ValueError(f"codec must be a non-empty name of at most 64 characters, got {name!r:.80}")
+    return _parse(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(name: str) -> CodecSpec:
     parts = name.split("+")
     topk, compressor = 0.0, ""
     if parts and (m := _TOPK.match(parts[0])):
@@ -229,14 +235,18 @@ def varint_decode(data: bytes, count: int) -> np.ndarray:
         raise Rejected("malformed", f"index block does not hold exactly {count} varints")
     if not count:
         return np.zeros(0, dtype=np.int64)
+    if count == b.size:  # every value fits one byte: the common case for dense-enough top-k
+        return b.astype(np.int64)
+    group_start = np.zeros(b.size, dtype=np.int64)
+    group_start[ends[:-1] + 1] = ends[:-1] + 1
+    group_start = np.maximum.accumulate(group_start)
+    position = np.arange(b.size, dtype=np.int64) - group_start
+    if position.max() >= 5:
+        raise Rejected("malformed", "a varint index is longer than 5 bytes")
+    parts = (b & 0x7F).astype(np.int64) << (7 * position)
     starts = np.empty(count, dtype=np.int64)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
-    lengths = ends - starts + 1
-    if lengths.max() > 5:
-        raise Rejected("malformed", "a varint index is longer than 5 bytes")
-    position = np.arange(b.size, dtype=np.int64) - np.repeat(starts, lengths)
-    parts = (b & 0x7F).astype(np.int64) << (7 * position)
     values = np.add.reduceat(parts, starts)
     if values.max() >= 1 << 32:
         raise Rejected("malformed", "a varint index is 2^32 or more")
@@ -369,5 +379,10 @@ def _decode_values(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndar
         raise Rejected("malformed", f"tensor {name!r}: padding nibble is not zero")
     with np.errstate(over="ignore", invalid="ignore"):
         if chunks == 1:
-            return (lo[0] + q.astype(np.float32) * step[0]).astype(np.float32)
-        return (lo.repeat(chunk)[:n] + q.astype(np.float32) * step.repeat(chunk)[:n]).astype(np.float32)
+            return lo[0] + q.astype(np.float32) * step[0]
+        grid = np.zeros(chunks * chunk, dtype=np.float32)
+        grid[:n] = q
+        grid = grid.reshape(chunks, chunk)
+        grid *= step[:, None]
+        grid += lo[:, None]
+        return grid.ravel()[:n]
