@@ -2,7 +2,7 @@
 
 A codec is named by a '+'-joined pipeline, applied left to right on the sender:
 
-    [topk<F>+] <values> [+zlib | +zstd]
+    [topk<F>+] <values> [+zlib]
 
     topk<F>   keep the fraction F of each tensor's entries with the largest
               magnitude (e.g. topk0.05); the indices travel sorted and
@@ -13,8 +13,8 @@ A codec is named by a '+'-joined pipeline, applied left to right on the sender:
               is 4-bit stochastic quantization with one (min, step) pair per
               64 values; q8 without 'c' uses one pair per tensor. 4-bit values
               are packed two per byte.
-    zlib      lossless compression of the whole tensor body (zstd: the
-              `zstandard` package, if installed; see compression.py).
+    zlib      lossless compression of the whole tensor body (see compression.py
+              for why not zstd).
 
 Examples: "float32", "float16+zlib", "q8c256", "topk0.05+q4c64+zlib".
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ class CodecSpec:
     values: str = "float32"
     chunk: int = 0  # values per (min, step) pair for q8/q4; 0 = one pair per tensor
     topk: float = 0.0  # fraction kept per tensor; 0 = dense
-    compressor: str = ""  # "", "zlib" or "zstd"
+    compressor: str = ""  # "" or "zlib"
 
     @property
     def bits(self) -> int:
@@ -102,13 +103,11 @@ def _parse(name: str) -> CodecSpec:
     if parts and parts[-1] in compression.METHODS:
         compressor = parts.pop()
     if len(parts) != 1 or not (m := _VALUES.match(parts[0])):
-        raise ValueError(f"unknown codec {name!r}: write [topk<F>+]<float32|float16|q8|q4>[c<N>][+zlib|+zstd], "
+        raise ValueError(f"unknown codec {name!r}: write [topk<F>+]<float32|float16|q8|q4>[c<N>][+zlib], "
                          "e.g. topk0.05+q4c64+zlib")
     values, chunk = m.group(1), int(m.group(2) or 0)
     if chunk and values not in ("q8", "q4"):
         raise ValueError(f"codec {name!r}: a chunk size applies only to q8 and q4")
-    if compressor:
-        compression.check_available(compressor)
     return CodecSpec(values, chunk, topk, compressor)
 
 
@@ -230,13 +229,13 @@ def varint_encode(values: np.ndarray) -> bytes:
 def varint_decode(data: bytes, count: int) -> np.ndarray:
     """Exactly `count` LEB128 values of at most 5 bytes each, filling `data` exactly; else Rejected."""
     b = np.frombuffer(data, dtype=np.uint8)
+    if count and b.size == count and b.max() < 0x80:  # every value fits one byte: the common case
+        return b.astype(np.int64)
     ends = np.flatnonzero(b < 0x80)
     if ends.size != count or (count and ends[-1] != b.size - 1) or (not count and b.size):
         raise Rejected("malformed", f"index block does not hold exactly {count} varints")
     if not count:
         return np.zeros(0, dtype=np.int64)
-    if count == b.size:  # every value fits one byte: the common case for dense-enough top-k
-        return b.astype(np.int64)
     group_start = np.zeros(b.size, dtype=np.int64)
     group_start[ends[:-1] + 1] = ends[:-1] + 1
     group_start = np.maximum.accumulate(group_start)
@@ -327,15 +326,19 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
     for (name, shape), entry in zip(shapes, entries):
         n = math.prod(shape)
         if name.startswith(EXACT_PREFIX) or spec.lossless:
-            flat = _decode_values(entry, CodecSpec(), n, name)
+            flat = _finite(_decode_values(entry, CodecSpec(), n, name), name)
         elif spec.topk:
             flat = _decode_sparse(entry, spec, n, name)
         else:
-            flat = _decode_values(entry, spec, n, name)
-        if not np.isfinite(flat).all():
-            raise Rejected("non_finite", f"tensor {name!r} contains NaN or infinity")
+            flat = _finite(_decode_values(entry, spec, n, name), name)
         out[name] = flat.reshape(shape)
     return out
+
+
+def _finite(values: np.ndarray, name: str) -> np.ndarray:
+    if not np.isfinite(values).all():
+        raise Rejected("non_finite", f"tensor {name!r} contains NaN or infinity")
+    return values
 
 
 def _decode_sparse(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndarray:
@@ -348,7 +351,7 @@ def _decode_sparse(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndar
     index = np.cumsum(varint_decode(entry[1], k) + 1) - 1
     if k and index[-1] >= n:
         raise Rejected("malformed", f"tensor {name!r}: index {int(index[-1])} is outside {n} values")
-    values = _decode_values(entry[2], spec, k, name)
+    values = _finite(_decode_values(entry[2], spec, k, name), name)
     flat = np.zeros(n, dtype=np.float32)
     flat[index] = values
     return flat
@@ -369,17 +372,21 @@ def _decode_values(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndar
                                     f"{4 * chunks} bytes of steps, {packed_len} bytes of {spec.values}]")
     if n == 0:
         return np.zeros(0, dtype=np.float32)
+    packed = np.frombuffer(entry[2], dtype=np.uint8)
+    if spec.bits == 4 and n % 2 and packed[-1] >> 4:
+        raise Rejected("malformed", f"tensor {name!r}: padding nibble is not zero")
+    q = packed if spec.bits == 8 else unpack4(packed, n)
+    if chunks == 1:  # one (min, step) pair: plain floats, fewer array operations
+        lo1, step1 = struct.unpack("<ff", entry[0] + entry[1])
+        if not (math.isfinite(lo1) and math.isfinite(step1) and step1 >= 0):
+            raise Rejected("non_finite", f"tensor {name!r}: quantization minimum and step must be finite, step >= 0")
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.float32(lo1) + q.astype(np.float32) * np.float32(step1)
     lo = np.frombuffer(entry[0], dtype="<f4")
     step = np.frombuffer(entry[1], dtype="<f4")
     if not (np.isfinite(lo).all() and np.isfinite(step).all() and (step >= 0).all()):
         raise Rejected("non_finite", f"tensor {name!r}: quantization minima and steps must be finite, steps >= 0")
-    packed = np.frombuffer(entry[2], dtype=np.uint8)
-    q = packed if spec.bits == 8 else unpack4(packed, n)
-    if spec.bits == 4 and n % 2 and packed[-1] >> 4:
-        raise Rejected("malformed", f"tensor {name!r}: padding nibble is not zero")
     with np.errstate(over="ignore", invalid="ignore"):
-        if chunks == 1:
-            return lo[0] + q.astype(np.float32) * step[0]
         grid = np.zeros(chunks * chunk, dtype=np.float32)
         grid[:n] = q
         grid = grid.reshape(chunks, chunk)
