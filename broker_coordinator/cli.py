@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -66,7 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="iid, dirichlet:A, shards:K or natural; default dirichlet:0.3 (natural for synthetic)")
     sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
     sim.add_argument("--clients-per-round", type=_bounded(int, 0), default=0, help="0 = every online agent")
-    sim.add_argument("--local-epochs", type=_bounded(int, 1, 1000), default=2)
+    sim.add_argument("--local-epochs", type=_bounded(int, 0, 1000), default=2,
+                     help="local epochs per round; 0 = each agent chooses 3-8 from its measured speed and the deadline")
+    sim.add_argument("--selection", choices=["random", "stability"], default="random",
+                     help="cohort selection policy (stability: DR-SAM's, prefers low tau and high gamma)")
+    sim.add_argument("--normalize-steps", action="store_true",
+                     help="FedNova-style aggregation: normalize each delta by its local steps")
+    sim.add_argument("--min-updates", type=_bounded(int, 1), default=1,
+                     help="quorum: updates needed to close a round at its deadline")
     sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=32)
     sim.add_argument("--lr", type=_bounded(float, 1e-9, 100.0), default=0.05, help="local learning rate")
     sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=0.0, help="local SGD momentum")
@@ -82,7 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--federation", type=_name, default="sim")
     sim.add_argument("--broker-port", type=_bounded(int, 0, 65535), default=0, help="0 = a free port")
     sim.add_argument("--mosquitto", default=None, help="path to the mosquitto binary (default: search PATH, /usr/sbin)")
+    sim.add_argument("--metrics-port", type=_bounded(int, 0, 65535), default=0,
+                     help="serve Prometheus metrics on this loopback port (0 = off)")
     sim.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run = sub.add_parser("run", help="serve rounds for a real fleet, as configured (the systemd service runs this)",
+                         description="Connect to the broker named in the config and run rounds until the "
+                                     "configured count or SIGTERM. Resumes from the last checkpoint in state_dir.")
+    run.add_argument("--config", required=True, help="coordinator TOML config (keys: broker_coordinator/config.py)")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
+    stat.add_argument("--config", required=True, help="coordinator TOML config")
+    stat.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
@@ -93,11 +111,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     default_partition = "natural" if args.dataset.startswith("synthetic") else "dirichlet:0.3"
     spec = SimulationSpec(agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                           partition=args.partition or default_partition, seed=args.seed, out=args.out,
-                          federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto)
+                          federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto,
+                          metrics_port=args.metrics_port)
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,
-                             model_codec=args.model_codec)
+                             selection=args.selection, min_updates=args.min_updates,
+                             normalize_steps=args.normalize_steps, model_codec=args.model_codec)
     if args.codec:
         settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))
@@ -106,18 +126,27 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # journald stamps time and unit itself; elsewhere a timestamp helps
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format=fmt)
     from edgefl_protocol.settings import ConfigError
     from edgefl_protocol.transport import BrokerUnavailable
     from models.datasets import DatasetError
 
     from .broker import BrokerError
+    from .coordinator import RoundFailed
 
     try:
         if args.command == "simulate":
             return run_simulate(args)
-    except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, ValueError, TimeoutError, OSError) as exc:
+        from . import service
+        from .config import load_config
+        config = load_config(args.config)
+        echo = lambda line: print(line, flush=True)  # noqa: E731
+        return service.run(config, echo) if args.command == "run" else service.status(config, echo)
+    except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, ValueError, TimeoutError, OSError,
+            RoundFailed) as exc:
         print(f"broker-coordinator: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

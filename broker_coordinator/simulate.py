@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,10 +20,13 @@ from models import datasets, partition
 
 from .broker import COORDINATOR_USER, PrivateBroker
 from .coordinator import Coordinator, RoundSettings, record_dict
+from .metrics import Metrics
+from .store import Store
 from .report import format_round, plot_accuracy, write_history
 
 log = logging.getLogger("broker_coordinator.simulate")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RUN_MARKER = ".edgefl-simulation"
 
 
 @dataclass
@@ -38,6 +42,7 @@ class SimulationSpec:
     mosquitto: str | None = None
     agent_threads: int = 1
     startup_timeout: float = 180.0
+    metrics_port: int = 0  # 0: no Prometheus endpoint
 
 
 def prepare_shards(spec: SimulationSpec, data: datasets.FederatedData, devices_dir: Path) -> list[Path]:
@@ -91,6 +96,10 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
     data = datasets.load(spec.dataset, num_users=spec.agents, seed=spec.seed)
     out = spec.out
     run_dir = out / "run"
+    if (run_dir / RUN_MARKER).exists():
+        shutil.rmtree(run_dir)  # a simulation starts fresh; only a directory we made is removed
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_MARKER).write_text("created by broker-coordinator simulate; removed by the next run\n")
     devices_dir = run_dir / "devices"
     shard_paths = prepare_shards(spec, data, devices_dir)
     echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents ({spec.partition}), "
@@ -105,7 +114,12 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
     history: list[dict] = []
     with broker:
         echo(f"mosquitto listening on 127.0.0.1:{broker.port} (no anonymous access, per-device ACL)")
-        coordinator = Coordinator(spec.federation, data.model, data.test, settings, seed=spec.seed, device_keys=keys)
+        metrics = Metrics()
+        if spec.metrics_port:
+            metrics.serve(spec.metrics_port)
+            echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
+        coordinator = Coordinator(spec.federation, data.model, data.test, settings, seed=spec.seed,
+                                  store=Store(run_dir / "coordinator"), metrics=metrics, device_keys=keys)
         coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         try:
             for device, shard in zip(devices, shard_paths):

@@ -1,13 +1,16 @@
 """The agent's MQTT session: wait for a task, fetch the model, train, publish.
 
 paho's network thread only decodes and queues; training runs on the main
-thread so the session keeps answering keepalives while the CPU is busy.
+thread so the session keeps answering keepalives while the CPU is busy. The
+device's status (retained, with a will for "offline") carries its hardware
+profile and whether it is busy training.
 
 The model arrives as a retained manifest per version; the agent subscribes to
 that version's chunks only when it does not already hold the same bytes
 (sha256, kept in memory and in `model.bin` in the state dir), reassembles
-and verifies them. The delta goes out with the codec the task names; for
-top-k codecs the error-feedback residual is kept in the device state.
+and verifies them. The delta goes out signed with the device's key, in the
+codec the task names; for top-k codecs the error-feedback residual is kept in
+the device state (saved once per round with the rest).
 """
 
 from __future__ import annotations
@@ -26,18 +29,40 @@ import torch
 
 from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
 from edgefl_protocol.errors import Rejected
-from edgefl_protocol.transport import connect, make_client
-from models.architectures import build_model, get_weights, set_weights
+from edgefl_protocol.transport import Session
+from models.architectures import ARCHITECTURES, build_model, get_weights, set_weights
 from models.datasets import load_npz
 
 from .config import AgentConfig
+from .hardware import calibrate, plan_epochs, probe
 from .state import DeviceState, atomic_write
-from .training import LocalSettings, train_locally
+from .training import LocalSettings, Stopped, train_locally
 
 log = logging.getLogger("edge_agent")
 MAX_MODEL_BYTES = 64 * 1024 * 1024
 MAX_MODEL_VALUES = 16 * 1024 * 1024
 MODEL_CACHE = "model.bin"
+SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
+
+
+def local_settings(hp: dict) -> LocalSettings:
+    """The task's training settings, range-checked: a hostile task is rejected, not obeyed."""
+    try:
+        settings = LocalSettings(
+            epochs=int(hp.get("local_epochs", 2)), batch_size=int(hp.get("batch_size", 32)),
+            lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
+            weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)))
+    except (TypeError, ValueError) as exc:
+        raise Rejected("schema", f"task hyper-parameters are not numbers: {exc}") from None
+    checks = [(0 <= settings.epochs <= 100, "local_epochs must be 0-100"),
+              (1 <= settings.batch_size <= 65536, "batch_size must be 1-65536"),
+              (0 < settings.lr <= 10, "lr must be in (0, 10]"), (0 <= settings.momentum < 1, "momentum must be in [0, 1)"),
+              (0 <= settings.weight_decay <= 1, "weight_decay must be in [0, 1]"),
+              (0 <= settings.grad_clip < float("inf"), "grad_clip must be >= 0")]
+    for ok, message in checks:
+        if not ok:
+            raise Rejected("schema", message)
+    return settings
 
 
 class Agent:
@@ -50,38 +75,38 @@ class Agent:
         self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
         self.cached: tuple[str, bytes] | None = self._load_cached_model()  # (sha256, body)
         self.models_changed = threading.Condition()
-        key = config.device.signing_key
-        self.key = signing.key_from_hex(key) if key else None
+        self.key = signing.key_from_hex(config.device.signing_key) if config.device.signing_key else None
         if self.key is None:
             log.error("no signing_key in [device]: the coordinator will reject every update from %s", self.device)
         self.stopping = threading.Event()
+        self.busy = False
         self.state = DeviceState(config.device.state_dir)
-        self.client = make_client(self.device, config.broker.username, config.broker.password)
-        self.client.will_set(topics.status(self.fed, self.device), self._status("offline"), qos=1, retain=True)
-        self.client.on_connect = self._on_connect
-        self.client.on_message = self._on_message
+        self.state.data["identity"] = {"device": self.device, "federation": self.fed}
         threads = config.device.threads or max(1, (os.cpu_count() or 2) - 1)
         torch.set_num_threads(threads)
+        self.profile = {**probe(), "threads": threads, "samples": len(self.data)}
+        b = config.broker
+        self.session = Session(self.device, b.username, b.password, b.host, b.port, self._on_connect,
+                               self._on_message, keepalive=b.keepalive,
+                               will=(topics.status(self.fed, self.device), self._status("offline")))
 
     def _status(self, state: str) -> bytes:
-        profile = {"cores": os.cpu_count() or 1, "samples": len(self.data)}
-        return messages.encode("status", messages.Status(self.device, state, profile))
+        return messages.encode("status", messages.Status(self.device, state, {**self.profile, "busy": self.busy}))
+
+    def _announce(self) -> None:
+        self.session.publish(topics.status(self.fed, self.device), self._status("online"), retain=True)
 
     # paho callbacks (network thread) -------------------------------------------------
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
-        if reason_code.is_failure:
-            log.error("broker refused %s: %s", self.device, reason_code)
-            return
+    def _on_connect(self, client) -> None:  # noqa: ANN001
         client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1)]
                          + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)])
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
         log.info("connected as %s", self.device)
 
-    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+    def _on_message(self, client, msg) -> None:  # noqa: ANN001
         try:
             if msg.topic == topics.task(self.fed, self.device):
-                task = messages.decode_task(msg.payload)
-                self.tasks.put_nowait(task)
+                self.tasks.put_nowait(messages.decode_task(msg.payload))
             elif (version := topics.parse_model_topic(msg.topic)) is not None and msg.payload:
                 release = messages.decode_model(msg.payload, MAX_MODEL_BYTES)
                 if release.version != version:
@@ -113,15 +138,14 @@ class Agent:
             if not assembly.complete:
                 return
             del self.assemblies[version]
+        client.unsubscribe(topics.model_chunks(self.fed, version))
         try:
             body = assembly.body()  # sha256 verified, or Rejected
         except Rejected:
-            with self.models_changed:  # fetch again: resubscribing delivers the retained chunks anew
+            with self.models_changed:  # fetch again: subscribing delivers the retained chunks anew
                 self.assemblies[version] = downlink.Assembly(assembly.manifest)
-            client.unsubscribe(topics.model_chunks(self.fed, version))
             client.subscribe(topics.model_chunks(self.fed, version), qos=1)
             raise
-        client.unsubscribe(topics.model_chunks(self.fed, version))
         with self.models_changed:
             self._ready(assembly.manifest, body)
 
@@ -132,9 +156,8 @@ class Agent:
         self.models_changed.notify_all()
 
     def _load_cached_model(self) -> tuple[str, bytes] | None:
-        path = Path(self.config.device.state_dir) / MODEL_CACHE
         try:
-            body = path.read_bytes()
+            body = (Path(self.config.device.state_dir) / MODEL_CACHE).read_bytes()
         except OSError:
             return None
         return hashlib.sha256(body).hexdigest(), body
@@ -154,7 +177,7 @@ class Agent:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
-        connect(self.client, self.config.broker.host, self.config.broker.port, self.config.broker.keepalive)
+        self.session.start()
         try:
             while not self.stopping.is_set():
                 try:
@@ -163,10 +186,8 @@ class Agent:
                     continue
                 self._handle(task)
         finally:
-            info = self.client.publish(topics.status(self.fed, self.device), self._status("offline"), qos=1, retain=True)
-            info.wait_for_publish(timeout=5)
-            self.client.disconnect()
-            self.client.loop_stop()
+            self.state.save()
+            self.session.stop(last_words=(topics.status(self.fed, self.device), self._status("offline")))
         log.info("stopped")
         return 0
 
@@ -178,6 +199,15 @@ class Agent:
                     return None
                 self.models_changed.wait(min(remaining, 0.5))
             return self.models[version]
+
+    def _speed(self, arch: str, model: torch.nn.Module) -> float:
+        """Training samples/s for this model: calibrated once, then refined by every real round."""
+        speeds = self.state.data.setdefault("samples_per_s", {})
+        if arch not in speeds:
+            spec = ARCHITECTURES[arch]
+            speeds[arch] = calibrate(model, spec.input_shape, spec.num_classes)
+            log.info("calibrated %s: %.0f training samples/s", arch, speeds[arch])
+        return float(speeds[arch])
 
     def _handle(self, task: messages.Task) -> None:
         if time.time() > task.deadline:
@@ -197,28 +227,56 @@ class Agent:
         except (ValueError, Rejected) as exc:
             log.error("round %d: cannot use task: %s", task.round, exc)
             return
+        self._remember_model(release, body)
+        try:
+            self._train_and_send(task, release, algorithm, model)
+        except Rejected as exc:
+            log.error("round %d: task rejected: %s", task.round, exc)
+        except Exception:  # a bug or a hostile task must not take the device's service down
+            log.exception("round %d: task failed; waiting for the next one", task.round)
+
+    def _train_and_send(self, task: messages.Task, release: messages.ModelRelease,
+                        algorithm: algorithms.Algorithm, model: torch.nn.Module) -> None:
         hp = task.hparams
-        settings = LocalSettings(
-            epochs=int(hp.get("local_epochs", 2)), batch_size=int(hp.get("batch_size", 32)),
-            lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
-            weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)),
-        )
+        settings = local_settings(hp)
+        epochs, epochs_reason = settings.epochs, "fixed by the coordinator"
+        if epochs == 0:
+            rule_state = self.state.section(algorithm.name)
+            plan = plan_epochs(self._speed(release.arch, model), len(self.data), task.deadline - time.time(),
+                               tau=float(rule_state.get("tau", 0.0)),
+                               passes_per_step=float(hp.get("passes_per_step", 1.0)))
+            epochs, epochs_reason = plan.epochs, plan.reason
+        settings.epochs = epochs
         rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name))
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
-        result = train_locally(model, self.data, rule, settings, seed)
-        self._remember_model(release, body)
-        ef = self.state.section("codec")  # error feedback: what top-k did not send yet
+        self.busy = True
+        self._announce()
+        try:
+            result = train_locally(model, self.data, rule, settings, seed, should_stop=self.stopping.is_set)
+        except Stopped:
+            log.warning("round %d: stopped mid-training by shutdown; no update sent", task.round)
+            return
+        finally:
+            self.busy = False
+            self._announce()
+        result.metrics["epochs_reason"] = epochs_reason
+        speeds = self.state.data.setdefault("samples_per_s", {})
+        measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
+        speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
+        ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
         encoded = codec.encode(result.delta, task.codec, ef.get("residual"))
         ef["residual"] = encoded.residual
         if encoded.residual is None:
             ef.pop("residual")
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
                                  encoded.body, encoded.codec, encoded.specs, self.fed)
-        payload = messages.encode_update(update, self.key or b"")
-        info = self.client.publish(topics.update(self.fed, self.device), payload, qos=1)
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
         self.state.save()  # once per round: algorithm state, residuals, progress
-        info.wait_for_publish(timeout=max(1.0, task.deadline - time.time()))
-        log.info("round %d: sent update (%d samples, loss %.4f, %.2f s)", task.round, result.num_samples,
-                 result.metrics["train_loss"], result.metrics["train_seconds"])
+        if self.session.publish_until(topics.update(self.fed, self.device),
+                                      messages.encode_update(update, self.key or b""), task.deadline):
+            log.info("round %d: sent update (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
+                     result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
+                     result.metrics["train_seconds"])
+        else:
+            log.warning("round %d: update not delivered before the deadline; dropped", task.round)

@@ -15,42 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import msgpack
-import numpy as np
+from edgefl_protocol.persist import atomic_write, pack, unpack
 
 log = logging.getLogger("edge_agent.state")
 STATE_FILE = "state.msgpack"
-
-
-def _pack_default(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        array = np.ascontiguousarray(obj)
-        return {"__ndarray__": True, "dtype": array.dtype.str, "shape": list(array.shape), "data": array.tobytes()}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"cannot store {type(obj).__name__} in device state")
-
-
-def _unpack_hook(obj: dict) -> Any:
-    if obj.get("__ndarray__"):
-        return np.frombuffer(obj["data"], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
-    return obj
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class DeviceState:
@@ -65,8 +33,7 @@ class DeviceState:
         if not self.path.exists():
             return {}
         try:
-            loaded = msgpack.unpackb(self.path.read_bytes(), raw=False, object_hook=_unpack_hook,
-                                     strict_map_key=False)
+            loaded = unpack(self.path.read_bytes())
         except Exception as exc:  # a corrupt file must not stop the device: start fresh, keep the evidence
             broken = self.path.with_suffix(".corrupt")
             os.replace(self.path, broken)
@@ -80,4 +47,4 @@ class DeviceState:
 
     def save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.path, msgpack.packb(self.data, default=_pack_default, use_bin_type=True))
+        atomic_write(self.path, pack(self.data))

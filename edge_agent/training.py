@@ -8,6 +8,7 @@ added to them before the optimizer sees them (`adjust_gradients`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,13 @@ from torch import nn
 
 from edgefl_protocol.algorithms.base import ClientRule, Scalar
 from models.architectures import get_weights
+
+from .optim import LocalSGD
 from models.datasets import Dataset
+
+
+class Stopped(Exception):
+    """Training was interrupted at a step boundary because the agent is shutting down."""
 
 
 @dataclass
@@ -37,13 +44,12 @@ class LocalResult:
 
 
 def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: LocalSettings,
-                  seed: int) -> LocalResult:
+                  seed: int, should_stop: Callable[[], bool] | None = None) -> LocalResult:
     started = time.perf_counter()
     start_weights = get_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
     global_params = [p.detach().clone() for p in params]
-    optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
-                                weight_decay=settings.weight_decay)
+    optimizer = LocalSGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     x_all, y_all = torch.from_numpy(data.x), torch.from_numpy(data.y)
     generator = torch.Generator().manual_seed(seed)
@@ -54,8 +60,10 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
     for _epoch in range(settings.epochs):
         order = torch.randperm(len(y_all), generator=generator)
         for start in range(0, len(order), settings.batch_size):
+            if should_stop and should_stop():
+                raise Stopped()
             batch = order[start:start + settings.batch_size]
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad()
             loss_sum += rule.compute_gradients(model, loss_fn, x_all[batch], y_all[batch])
             rule.adjust_gradients(params)
             if settings.grad_clip > 0:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
+import tomllib
+from pathlib import Path
 
 from .errors import Rejected
 
@@ -37,6 +40,35 @@ def key_from_hex(text: str) -> bytes:
     if len(key) < MIN_KEY_BYTES:
         raise ValueError(f"signing_key must be at least {MIN_KEY_BYTES} bytes ({2 * MIN_KEY_BYTES} hex digits)")
     return key
+
+
+def read_key_file(path: Path | str) -> dict[str, bytes]:
+    """The coordinator's device -> key table: a TOML file of `device = "hex"` lines (missing file: empty).
+
+    Enrollment writes it; `write_key_file` is the format."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    with open(path, "rb") as handle:
+        table = tomllib.load(handle)
+    keys = {}
+    for device, text in table.items():
+        if not isinstance(text, str):
+            raise ValueError(f"{path}: key of {device!r} must be a hex string")
+        try:
+            keys[device] = key_from_hex(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {device}: {exc}") from None
+    return keys
+
+
+def write_key_file(path: Path | str, keys: dict[str, bytes]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(f'"{device}" = "{key.hex()}"\n' for device, key in sorted(keys.items()))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
 
 
 def sign(payload: bytes, key: bytes) -> bytes:

@@ -63,3 +63,10 @@ class ServerRule:
 
     def broadcast(self) -> dict[str, Scalar]:
         return {}
+
+    def state(self) -> dict[str, Any]:
+        """What must survive a coordinator restart (checkpointed after every round)."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        pass

@@ -1,0 +1,68 @@
+"""One round as an explicit state machine.
+
+    OPEN -> COLLECTING -> CLOSED -> AGGREGATED -> EVALUATED -> CHECKPOINTED
+                     \\-> ABANDONED   (no quorum at the deadline, or shutdown;
+                                      the global model is unchanged)
+
+OPEN: cohort chosen, model and tasks published. COLLECTING: updates are
+validated and folded in as they arrive. CLOSED: every selected device answered,
+or the deadline passed with at least the quorum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .aggregation import StreamingMean
+
+
+class RoundState(str, Enum):
+    OPEN = "open"
+    COLLECTING = "collecting"
+    CLOSED = "closed"
+    AGGREGATED = "aggregated"
+    EVALUATED = "evaluated"
+    CHECKPOINTED = "checkpointed"
+    ABANDONED = "abandoned"
+
+
+NEXT: dict[RoundState, set[RoundState]] = {
+    RoundState.OPEN: {RoundState.COLLECTING, RoundState.ABANDONED},
+    RoundState.COLLECTING: {RoundState.CLOSED, RoundState.ABANDONED},
+    RoundState.CLOSED: {RoundState.AGGREGATED},
+    RoundState.AGGREGATED: {RoundState.EVALUATED},
+    RoundState.EVALUATED: {RoundState.CHECKPOINTED},
+    RoundState.CHECKPOINTED: set(),
+    RoundState.ABANDONED: set(),
+}
+
+
+@dataclass
+class Round:
+    number: int
+    attempt: int
+    cohort: set[str]
+    deadline: float
+    base_version: int
+    aggregate: StreamingMean
+    state: RoundState = RoundState.OPEN
+    started: float = field(default_factory=time.time)
+    answered: set[str] = field(default_factory=set)
+    device_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rejected: Counter[str] = field(default_factory=Counter)
+    bytes_up: int = 0
+    reason: str = ""
+
+    def move(self, new: RoundState, reason: str = "") -> None:
+        if new not in NEXT[self.state]:
+            raise RuntimeError(f"round {self.number}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+        self.reason = reason or self.reason
+
+    @property
+    def complete(self) -> bool:
+        return self.answered == self.cohort

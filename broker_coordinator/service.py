@@ -1,0 +1,80 @@
+"""`broker-coordinator run`: the production loop, and `status`: the federation at a glance."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from typing import Callable
+
+from edgefl_protocol import signing
+from models.datasets import load_npz
+
+from .config import CoordinatorConfig
+from .coordinator import Coordinator, RoundFailed
+from .metrics import Metrics
+from .report import format_round
+from .store import Store
+
+log = logging.getLogger("broker_coordinator")
+DEVICE_KEYS = "device_keys.toml"  # device -> HMAC key of its updates, in the state dir (written at enrollment)
+
+
+def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    fed, b = config.federation, config.broker
+    test_set = load_npz(fed.test_data)
+    metrics = Metrics()
+    if config.metrics.port:
+        metrics.serve(config.metrics.port, config.metrics.bind)
+    keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")
+    if not keys:
+        log.warning("no device signing keys in %s/%s: every update will be rejected", config.storage.state_dir,
+                    DEVICE_KEYS)
+    coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
+                              store=Store(config.storage.state_dir), metrics=metrics, device_keys=keys)
+    stop = lambda *_: coordinator.stopping.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    coordinator.connect(b.host, b.port, b.username, b.password, keepalive=b.keepalive)
+    echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
+         f"starting at round {coordinator.next_round}")
+    try:
+        while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
+            try:
+                record = coordinator.run_round()
+            except RoundFailed as exc:
+                if coordinator.stopping.is_set():
+                    break
+                log.error("%s; waiting before the next attempt", exc)
+                coordinator.stopping.wait(config.rounds.round_timeout)
+                continue
+            echo(format_round(json.loads(json.dumps(record.__dict__)), fed.rounds or record.round))
+    finally:
+        coordinator.close()
+    echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
+    return 0
+
+
+def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    store = Store(config.storage.state_dir)
+    try:
+        ckpt = store.load_checkpoint()
+        rounds = [r for r in store.rounds() if r["closed"] != "abandoned"]
+        devices = store.devices()
+    finally:
+        store.close()
+    echo(f"federation {config.federation.name!r}, model {config.federation.model}, state in {config.storage.state_dir}")
+    if ckpt is None:
+        echo("no round finished yet")
+    else:
+        last = rounds[-1] if rounds else ckpt.record
+        echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
+             f"accuracy {100 * last['accuracy']:.2f}%, {last['participants']}/{last['selected']} participants")
+    online = sum(1 for d in devices if d["online"])
+    echo(f"devices: {online} online of {len(devices)} seen")
+    for d in devices:
+        seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
+        echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
+             f"rounds contributed {d['rounds']}")
+    return 0

@@ -1,0 +1,130 @@
+import random
+import time
+
+import numpy as np
+import pytest
+
+from broker_coordinator.aggregation import StreamingMean
+from broker_coordinator.rounds import Round, RoundState
+from broker_coordinator.selection import select
+from edgefl_protocol.transport import backoff_delay
+
+SPECS = {"w": (3,)}
+
+
+def test_streaming_mean_is_the_weighted_mean_in_any_order():
+    deltas = [np.array([1.0, 2.0, 3.0], np.float32), np.array([-1.0, 0.0, 5.0], np.float32)]
+    weights = [30.0, 10.0]
+    expected = (30 * deltas[0] + 10 * deltas[1]) / 40
+    for order in ([0, 1], [1, 0]):
+        agg = StreamingMean(SPECS)
+        for i in order:
+            agg.add({"w": deltas[i]}, weights[i])
+        assert np.allclose(agg.mean()["w"], expected)
+
+
+def test_fednova_normalizes_by_local_steps():
+    # d_k / a_k averaged with p_k, then scaled by tau_eff = sum p_k a_k
+    agg = StreamingMean(SPECS, normalize_steps=True)
+    agg.add({"w": np.array([4.0, 4.0, 4.0], np.float32)}, 1.0, steps=4)
+    agg.add({"w": np.array([1.0, 1.0, 1.0], np.float32)}, 1.0, steps=1)
+    tau_eff = (4 + 1) / 2
+    assert np.allclose(agg.mean()["w"], tau_eff * (1.0 + 1.0) / 2)
+    with pytest.raises(ValueError):
+        agg.add({"w": np.zeros(3, np.float32)}, 0.0)
+
+
+def test_empty_aggregate_refuses_to_average():
+    with pytest.raises(ValueError, match="no updates"):
+        StreamingMean(SPECS).mean()
+
+
+def test_round_state_machine_rejects_illegal_transitions():
+    rnd = Round(1, 1, {"a"}, time.time() + 5, 0, StreamingMean(SPECS))
+    rnd.move(RoundState.COLLECTING)
+    with pytest.raises(RuntimeError, match="collecting -> checkpointed"):
+        rnd.move(RoundState.CHECKPOINTED)
+    rnd.move(RoundState.CLOSED)
+    for state in (RoundState.AGGREGATED, RoundState.EVALUATED, RoundState.CHECKPOINTED):
+        rnd.move(state)
+    with pytest.raises(RuntimeError):
+        rnd.move(RoundState.ABANDONED)
+
+
+def test_random_selection_is_a_uniform_sample_of_the_eligible():
+    chosen = select("random", [f"d{i}" for i in range(10)], 4, random.Random(0), {})
+    assert len(chosen) == 4 and len(set(chosen)) == 4
+
+
+def test_stability_selection_prefers_stable_devices_but_keeps_half_random():
+    eligible = [f"d{i}" for i in range(20)]
+    unstable = {f"d{i}": {"tau": 0.5, "gamma": 0.1} for i in range(10)}
+    stable = {f"d{i}": {"tau": 0.05, "gamma": 0.9} for i in range(10, 20)}
+    counts = {"unstable": 0, "stable": 0}
+    for seed in range(200):
+        for d in select("stability", eligible, 8, random.Random(seed), {**unstable, **stable}):
+            counts["unstable" if d in unstable else "stable"] += 1
+    # the random half picks unstable devices about half the time (~2 of 8), the preferred half never does
+    assert 0.15 < counts["unstable"] / (200 * 8) < 0.35
+
+
+def test_backoff_grows_is_capped_and_jittered():
+    rng = random.Random(1)
+    first = [backoff_delay(0, 1.0, 60.0, rng) for _ in range(100)]
+    late = [backoff_delay(20, 1.0, 60.0, rng) for _ in range(100)]
+    assert all(0.5 <= d <= 1.0 for d in first)
+    assert all(30.0 <= d <= 60.0 for d in late)
+    assert len(set(round(d, 6) for d in late)) > 90  # no lock-step: every device waits differently
+
+
+def _coordinator_and_round(tmp_path):
+    from broker_coordinator.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.store import Store
+    from models import datasets
+
+    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(), store=Store(tmp_path),
+                    device_keys={d: KEY for d in ("d1", "d2", "d9")})
+    return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, StreamingMean(c.specs))
+
+
+KEY = b"unit-test-key-0123456789abcdef01"
+
+
+def _signed(device, metrics, tensors):
+    """A signed float32 update; the body is written by hand so that it may carry NaN."""
+    import msgpack
+
+    from edgefl_protocol import messages
+
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    return messages.encode_update(messages.Update(device, 1, 0, 10, metrics, body, "float32", specs, "u"), KEY)
+
+
+@pytest.mark.parametrize("metrics,body_fn,reason", [
+    ({"steps": "many"}, None, "schema"),
+    ({"steps": 0}, None, "schema"),
+    ({"steps": 2}, lambda w: {k: np.full_like(v, np.nan) for k, v in w.items()}, "non_finite"),
+    ({"steps": 2}, lambda w: {k: v[..., :1] for k, v in w.items()}, "shape"),
+])
+def test_bad_updates_are_counted_and_never_folded(tmp_path, metrics, body_fn, reason):
+    c, rnd = _coordinator_and_round(tmp_path)
+    zero = {k: np.zeros_like(v) for k, v in c.weights.items()}
+    before = {k: v.copy() for k, v in c.weights.items()}
+    c._on_update(rnd, "d1", _signed("d1", metrics, body_fn(zero) if body_fn else zero), time.time())
+    assert c.rejections[reason] == 1 and rnd.aggregate.count == 0 and rnd.rejected[reason] == 1
+    assert all(np.array_equal(before[k], c.weights[k]) for k in before)
+    c._on_update(rnd, "d2", _signed("d2", {"steps": 2}, zero), time.time())
+    assert rnd.aggregate.count == 1  # the next good update is still accepted
+
+
+def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
+    c, rnd = _coordinator_and_round(tmp_path)
+    good = lambda d: _signed(d, {"steps": 1}, {k: np.zeros_like(v) for k, v in c.weights.items()})  # noqa: E731
+    c._on_update(rnd, "d1", good("d1"), time.time())
+    c._on_update(rnd, "d1", good("d1"), time.time())
+    c._on_update(rnd, "d9", good("d9"), time.time())
+    c._on_update(rnd, "d2", good("d1"), time.time())  # d2's topic, d1's claim
+    # the same device and round twice is a replay (it was "duplicate" before updates were signed)
+    assert (c.rejections["replay"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
+    assert rnd.aggregate.count == 1
