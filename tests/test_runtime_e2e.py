@@ -66,12 +66,13 @@ def test_killed_agent_round_closes_at_deadline_and_offline_device_is_not_selecte
         assert (third.closed, third.selected) == ("complete", 2)
         assert "dev-0" not in third.devices
 
-        # a late update for round 1 from dev-0's credentials: rejected with its reason
+        # a late update for round 2 (which dev-0 never answered) from dev-0's credentials: rejected with its
+        # reason (a second update for round 1, which dev-0 did answer, would be a replay)
         late = make_client("dev-0-late", "dev-0", fleet_broker.users["dev-0"])
         connect(late, fleet_broker.host, fleet_broker.port)
         zero = {k: np.zeros_like(v) for k, v in get_weights(build_model("digits_mlp")).items()}
         encoded = codec.encode(zero)
-        update = messages.Update("dev-0", 1, 0, 10, {"steps": 1}, encoded.body, encoded.codec, encoded.specs, FED)
+        update = messages.Update("dev-0", 2, 1, 10, {"steps": 1}, encoded.body, encoded.codec, encoded.specs, FED)
         late.publish(topics.update(FED, "dev-0"), messages.encode_update(update, fleet.keys["dev-0"]),
                      qos=1).wait_for_publish(5)
         late.disconnect()
@@ -81,7 +82,7 @@ def test_killed_agent_round_closes_at_deadline_and_offline_device_is_not_selecte
             while coordinator.rejections["late"] == 0 and time.monotonic() < give_up:
                 coordinator._drain(0.2)
         assert coordinator.rejections["late"] == 1
-        assert "update from dev-0 rejected: late: round 1 closed at" in caplog.text
+        assert "update from dev-0 rejected: late: round 2 closed at" in caplog.text
     finally:
         coordinator.close()
         fleet.stop()
