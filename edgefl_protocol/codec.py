@@ -323,16 +323,21 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
     if not isinstance(entries, list) or len(entries) != len(shapes):
         raise Rejected("malformed", f"tensor body must be a list of {len(shapes)} entries")
     out: dict[str, np.ndarray] = {}
-    for (name, shape), entry in zip(shapes, entries):
-        n = math.prod(shape)
-        if name.startswith(EXACT_PREFIX) or spec.lossless:
-            flat = _finite(_decode_values(entry, CodecSpec(), n, name), name)
-        elif spec.topk:
-            flat = _decode_sparse(entry, spec, n, name)
-        else:
-            flat = _finite(_decode_values(entry, spec, n, name), name)
-        out[name] = flat.reshape(shape)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes inf, which _finite rejects
+        for (name, shape), entry in zip(shapes, entries):
+            out[name] = _decode_tensor(name, shape, entry, spec)
     return out
+
+
+def _decode_tensor(name: str, shape: tuple[int, ...], entry: object, spec: CodecSpec) -> np.ndarray:
+    n = math.prod(shape)
+    if name.startswith(EXACT_PREFIX) or spec.lossless:
+        flat = _finite(_decode_values(entry, CodecSpec(), n, name), name)
+    elif spec.topk:
+        flat = _decode_sparse(entry, spec, n, name)
+    else:
+        flat = _finite(_decode_values(entry, spec, n, name), name)
+    return flat.reshape(shape)
 
 
 def _finite(values: np.ndarray, name: str) -> np.ndarray:
@@ -380,16 +385,14 @@ def _decode_values(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndar
         lo1, step1 = struct.unpack("<ff", entry[0] + entry[1])
         if not (math.isfinite(lo1) and math.isfinite(step1) and step1 >= 0):
             raise Rejected("non_finite", f"tensor {name!r}: quantization minimum and step must be finite, step >= 0")
-        with np.errstate(over="ignore", invalid="ignore"):
-            return np.float32(lo1) + q.astype(np.float32) * np.float32(step1)
+        return np.float32(lo1) + q.astype(np.float32) * np.float32(step1)
     lo = np.frombuffer(entry[0], dtype="<f4")
     step = np.frombuffer(entry[1], dtype="<f4")
     if not (np.isfinite(lo).all() and np.isfinite(step).all() and (step >= 0).all()):
         raise Rejected("non_finite", f"tensor {name!r}: quantization minima and steps must be finite, steps >= 0")
-    with np.errstate(over="ignore", invalid="ignore"):
-        grid = np.zeros(chunks * chunk, dtype=np.float32)
-        grid[:n] = q
-        grid = grid.reshape(chunks, chunk)
-        grid *= step[:, None]
-        grid += lo[:, None]
-        return grid.ravel()[:n]
+    grid = np.zeros(chunks * chunk, dtype=np.float32)
+    grid[:n] = q
+    grid = grid.reshape(chunks, chunk)
+    grid *= step[:, None]
+    grid += lo[:, None]
+    return grid.ravel()[:n]
