@@ -150,7 +150,8 @@ def scale_run(size: int, rounds: int, workdir: Path) -> dict:
     devices = [(f"sim-{i:04d}", broker.add_user(f"sim-{i:04d}")) for i in range(size)]
     weights = get_weights(build_model("mnist_cnn"))
     rng = np.random.default_rng(0)
-    encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()})
+    encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()},
+                           RoundSettings().codec)  # the codec the coordinator's tasks name
     (workdir / "body.bin").write_bytes(msgpack.packb(
         {"codec": encoded.codec, "specs": encoded.specs, "body": encoded.body}, use_bin_type=True))
     swarms = []

@@ -60,7 +60,7 @@ class RoundSettings:
     min_updates: int = 1  # quorum needed to close a round at its deadline
     max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
     normalize_steps: bool = False  # FedNova-style normalization by local steps
-    codec: str = "float32"  # uplink codec the tasks name (see edgefl_protocol.codec)
+    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
     model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
     model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
     max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no bound

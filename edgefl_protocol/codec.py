@@ -48,6 +48,9 @@ from . import compression
 from .errors import Rejected
 
 EXACT_PREFIX = "extra."  # tensors never sent lossy
+# The default uplink codec: the fewest bytes within 0.5 points of float32 accuracy in bench/codec.py
+# (bench/results/codec.md): about 30x fewer bytes than float32.
+DEFAULT = "topk0.1+q4c64+zlib"
 MAX_TENSORS = 4096
 MAX_NDIM = 8
 VALUE_KINDS = {"float32": 32, "float16": 16, "q8": 8, "q4": 4}

@@ -71,7 +71,7 @@ def test_killed_agent_round_closes_at_deadline_and_offline_device_is_not_selecte
         late = make_client("dev-0-late", "dev-0", fleet_broker.users["dev-0"])
         connect(late, fleet_broker.host, fleet_broker.port)
         zero = {k: np.zeros_like(v) for k, v in get_weights(build_model("digits_mlp")).items()}
-        encoded = codec.encode(zero)
+        encoded = codec.encode(zero, coordinator.settings.codec)
         update = messages.Update("dev-0", 2, 1, 10, {"steps": 1}, encoded.body, encoded.codec, encoded.specs, FED)
         late.publish(topics.update(FED, "dev-0"), messages.encode_update(update, fleet.keys["dev-0"]),
                      qos=1).wait_for_publish(5)
