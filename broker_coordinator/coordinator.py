@@ -129,6 +129,7 @@ class Coordinator:
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
+        self.pending_round: dict[str, int] = {}
         self.last_metrics: dict[str, dict[str, Any]] = {}
         self.closed_at: dict[int, float] = {}
         self.rejections: Counter[str] = Counter()
@@ -208,6 +209,11 @@ class Coordinator:
             return
         if status.state == "online":
             self.online[device] = dict(status.profile)
+            last_round = status.profile.get("last_round", 0)
+            if (not status.profile.get("busy") and isinstance(last_round, int)
+                    and last_round >= self.pending_round.get(device, 0)):
+                # idle and done with the round it was tasked for (even if its answer was lost): free again
+                self.pending_until.pop(device, None)
         else:
             self.online.pop(device, None)
             self.pending_until.pop(device, None)
@@ -348,6 +354,7 @@ class Coordinator:
         for device in sorted(cohort):
             self.session.publish(topics.task(self.fed, device), payload, qos=1)
             self.pending_until[device] = deadline + s.round_timeout
+            self.pending_round[device] = round_no
         self._set_state(rnd, RoundState.COLLECTING)
         while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
             self._drain(min(0.5, deadline - time.time()), rnd)
