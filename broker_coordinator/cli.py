@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from edgefl_protocol import algorithms, topics
+from edgefl_protocol import topics
 from models import partition
 
 
@@ -49,6 +49,8 @@ def _name(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from edgefl_protocol import algorithms  # imports torch: only when a command needs it
+
     parser = argparse.ArgumentParser(
         prog="broker-coordinator",
         description="EdgeFL coordinator: runs federated rounds over a Mosquitto broker.")
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
     stat.add_argument("--config", required=True, help="coordinator TOML config")
     stat.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from .operator_cli import add_operator_commands
+    add_operator_commands(sub)
     return parser
 
 
@@ -125,7 +129,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .operator_cli import OPERATOR_COMMANDS, build_operator_parser
+    argv = sys.argv[1:] if argv is None else argv
+    # operator commands need no torch: parse them without the simulate parser's imports
+    args = (build_operator_parser() if argv[:1] and argv[0] in OPERATOR_COMMANDS else build_parser()).parse_args(argv)
     # journald stamps time and unit itself; elsewhere a timestamp helps
     fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -135,18 +142,24 @@ def main(argv: list[str] | None = None) -> int:
     from models.datasets import DatasetError
 
     from .broker import BrokerError
-    from .coordinator import RoundFailed
+    from .registry import RegistryError
 
+    errors: tuple[type[BaseException], ...] = (BrokerError, BrokerUnavailable, ConfigError, DatasetError,
+                                               RegistryError, ValueError, TimeoutError, OSError)
+    if not hasattr(args, "run"):  # the operator commands (args.run) do without torch
+        from .coordinator import RoundFailed
+        errors += (RoundFailed,)
     try:
         if args.command == "simulate":
             return run_simulate(args)
+        if hasattr(args, "run"):
+            return args.run(args)
         from . import service
         from .config import load_config
         config = load_config(args.config)
         echo = lambda line: print(line, flush=True)  # noqa: E731
         return service.run(config, echo) if args.command == "run" else service.status(config, echo)
-    except (BrokerError, BrokerUnavailable, ConfigError, DatasetError, ValueError, TimeoutError, OSError,
-            RoundFailed) as exc:
+    except errors as exc:
         print(f"broker-coordinator: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

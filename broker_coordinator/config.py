@@ -8,10 +8,25 @@
     seed = 0
 
     [broker]
-    host = "127.0.0.1"
+    host = "127.0.0.1"                   # where the coordinator itself connects
     port = 1883
     username = "coordinator"
-    password = "..."
+    password = "..."                     # the coordinator's own broker password
+    # what devices are told (enrollment tokens) and what `broker-config` writes:
+    device_host = "broker.example"       # the address devices connect to; "" = host
+    device_port = 0                      # the devices' listener; 0 = port. With TLS: e.g. 8883,
+                                         # and `port` stays a plain listener on 127.0.0.1 for the coordinator
+    bind = ""                            # the devices' listener address; "" = all interfaces
+    tls_cert = ""                        # server certificate (PEM); TLS on the devices' listener when set
+    tls_key = ""
+    tls_ca = ""                          # CA that signed tls_cert ("" = tls_cert is self-signed);
+                                         # its SHA-256 fingerprint goes into enrollment tokens
+    passwd_file = "/etc/mosquitto/edgefl/passwd"
+    acl_file = "/etc/mosquitto/edgefl/acl"
+    conf_file = "/etc/mosquitto/conf.d/edgefl.conf"
+    pid_file = "/run/mosquitto/mosquitto.pid"   # SIGHUP goes to this pid after a credential change...
+    reload_command = "systemctl reload mosquitto.service"  # ...or this runs, if the pid is not ours to signal
+    message_size_limit = 0               # bytes; 0 = sized to the model
 
     [rounds]                             # every field of coordinator.RoundSettings
     clients_per_round = 10
@@ -20,7 +35,10 @@
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
 
     [storage]
-    state_dir = "/var/lib/edgefl-coordinator"
+    state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
+
+    [enrollment]
+    token_hours = 24.0                   # how long an enrollment token stays valid
 
     [metrics]
     port = 9464                          # Prometheus endpoint; 0 = off
@@ -34,14 +52,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgefl_protocol import topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
-from models.architectures import ARCHITECTURES
-
-from .coordinator import RoundSettings
 
 ENV_PREFIX = "EDGEFL_COORDINATOR"
+DEFAULT_PATH = Path("/etc/edgefl/coordinator.toml")
+REGISTRY_FILE = "coordinator.db"
 
 
 @dataclass
@@ -54,8 +72,6 @@ class FederationSettings:
 
     def validate(self) -> None:
         topics.check_name("federation", self.name)
-        if self.model not in ARCHITECTURES:
-            raise ValueError(f"model must be one of {', '.join(ARCHITECTURES)}, got {self.model!r}")
         if self.rounds < 0:
             raise ValueError("rounds must be >= 0 (0 = run until stopped)")
 
@@ -67,15 +83,58 @@ class CoordinatorBroker:
     port: int = 1883
     username: str = "coordinator"
     keepalive: int = 60
+    device_host: str = ""
+    device_port: int = 0
+    bind: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    passwd_file: str = "/etc/mosquitto/edgefl/passwd"
+    acl_file: str = "/etc/mosquitto/edgefl/acl"
+    conf_file: str = "/etc/mosquitto/conf.d/edgefl.conf"
+    pid_file: str = "/run/mosquitto/mosquitto.pid"
+    reload_command: str = "systemctl reload mosquitto.service"
+    message_size_limit: int = 0
 
     def validate(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be 1-65535, got {self.port}")
+        for name in ("port", "device_port"):
+            value = getattr(self, name)
+            if not (0 < value < 65536 or (name == "device_port" and value == 0)):
+                raise ValueError(f"{name} must be 1-65535, got {value}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both for TLS, or neither")
+        if self.tls_cert and self.devices_port == self.port:
+            raise ValueError("with TLS, set device_port (e.g. 8883) for the devices' TLS listener; `port` stays "
+                             "a plain listener on 127.0.0.1 for the coordinator")
+        if self.message_size_limit < 0:
+            raise ValueError("message_size_limit must be >= 0 (0 = sized to the model)")
+        topics.check_name("username", self.username)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def devices_host(self) -> str:
+        return self.device_host or self.host
+
+    @property
+    def devices_port(self) -> int:
+        return self.device_port or self.port
 
 
 @dataclass
 class StorageSettings:
     state_dir: str = "/var/lib/edgefl-coordinator"
+
+
+@dataclass
+class EnrollmentSettings:
+    token_hours: float = 24.0
+
+    def validate(self) -> None:
+        if not 0 < self.token_hours <= 24 * 30:
+            raise ValueError(f"token_hours must be in (0, 720], got {self.token_hours}")
 
 
 @dataclass
@@ -92,23 +151,46 @@ class MetricsSettings:
 class CoordinatorConfig:
     federation: FederationSettings
     broker: CoordinatorBroker
-    rounds: RoundSettings
+    rounds: Any  # coordinator.RoundSettings; None when loaded with with_rounds=False
     storage: StorageSettings
+    enrollment: EnrollmentSettings
     metrics: MetricsSettings
     path: Path
 
+    @property
+    def registry_path(self) -> Path:
+        return Path(self.storage.state_dir) / REGISTRY_FILE
 
-SECTIONS = {"federation": FederationSettings, "broker": CoordinatorBroker, "rounds": RoundSettings,
-            "storage": StorageSettings, "metrics": MetricsSettings}
+
+SECTIONS = ("federation", "broker", "rounds", "storage", "enrollment", "metrics")
 
 
-def load_config(path: Path | str) -> CoordinatorConfig:
+def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
+    """Read and validate the config. `with_rounds=False` skips [rounds] and the model check, which
+    import torch; the device-management commands use it to stay quick."""
     path = Path(path)
     raw = read_toml(path)
     unknown = set(raw) - set(SECTIONS)
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}; "
                           f"expected {', '.join(SECTIONS)}")
-    built = {name: build_section(cls, raw.get(name, {}), f"{path} [{name}]", f"{ENV_PREFIX}_{name}")
-             for name, cls in SECTIONS.items()}
-    return CoordinatorConfig(**built, path=path)
+    for name, table in raw.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {name} must be a table ([{name}])")
+
+    def section(cls: type, name: str) -> Any:
+        return build_section(cls, raw.get(name, {}), f"{path} [{name}]", f"{ENV_PREFIX}_{name}")
+
+    rounds = None
+    federation = section(FederationSettings, "federation")
+    if with_rounds:
+        from models.architectures import ARCHITECTURES
+
+        from .coordinator import RoundSettings
+        if federation.model not in ARCHITECTURES:
+            raise ConfigError(f"{path} [federation]: model must be one of {', '.join(ARCHITECTURES)}, "
+                              f"got {federation.model!r}")
+        rounds = section(RoundSettings, "rounds")
+    return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
+                             section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
+                             section(MetricsSettings, "metrics"), path)

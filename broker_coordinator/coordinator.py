@@ -145,11 +145,15 @@ class Coordinator:
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
+        self.pending_round: dict[str, int] = {}
         self.last_metrics: dict[str, dict[str, Any]] = {}
         self.closed_at: dict[int, float] = {}
         self.rejections: Counter[str] = Counter()
         self.device_keys: dict[str, bytes] = dict(device_keys or {})  # device -> HMAC key (from enrollment)
         self.accepted: set[tuple[str, int]] = set()  # (device, round) of every accepted update: replay guard
+        # device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects
+        # unknown and revoked devices. None: every device the broker lets in is admitted (simulate).
+        self.admission: Callable[[str], tuple[str, str] | None] | None = None
         self.inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.session: Session | None = None
@@ -224,6 +228,11 @@ class Coordinator:
             return
         if status.state == "online":
             self.online[device] = dict(status.profile)
+            last_round = status.profile.get("last_round", 0)
+            if (not status.profile.get("busy") and isinstance(last_round, int)
+                    and last_round >= self.pending_round.get(device, 0)):
+                # idle and done with the round it was tasked for (even if its answer was lost): free again
+                self.pending_until.pop(device, None)
         else:
             self.online.pop(device, None)
             self.pending_until.pop(device, None)
@@ -276,6 +285,9 @@ class Coordinator:
 
     def _validate(self, current: Round | None, device: str, data: bytes,
                   arrived: float) -> tuple[messages.Update, dict]:
+        refused = self.admission(device) if self.admission else None
+        if refused:
+            raise Rejected(*refused)
         # size cap and the device's signature come first: nothing is parsed before them
         update = messages.decode_update(data, self.max_update_bytes, self.device_keys.get(device), device)
         if update.device != device:
@@ -382,6 +394,7 @@ class Coordinator:
         for device in sorted(cohort):
             self.session.publish(topics.task(self.fed, device), payload, qos=1)
             self.pending_until[device] = deadline + s.round_timeout
+            self.pending_round[device] = round_no
         self._set_state(rnd, RoundState.COLLECTING)
         while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
             self._drain(min(0.5, deadline - time.time()), rnd)

@@ -18,7 +18,7 @@ from .report import format_round
 from .store import Store
 
 log = logging.getLogger("broker_coordinator")
-DEVICE_KEYS = "device_keys.toml"  # device -> HMAC key of its updates, in the state dir (written at enrollment)
+DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex HMAC key", in the state dir
 
 
 def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
@@ -27,16 +27,14 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     metrics = Metrics()
     if config.metrics.port:
         metrics.serve(config.metrics.port, config.metrics.bind)
-    keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")
-    if not keys:
-        log.warning("no device signing keys in %s/%s: every update will be rejected", config.storage.state_dir,
-                    DEVICE_KEYS)
+    keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                               store=Store(config.storage.state_dir), metrics=metrics, device_keys=keys)
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     coordinator.connect(b.host, b.port, b.username, b.password, keepalive=b.keepalive)
+    desk = attach_enrollment(config, coordinator)
     echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
          f"starting at round {coordinator.next_round}")
     try:
@@ -51,9 +49,30 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                 continue
             echo(format_round(json.loads(json.dumps(record.__dict__)), fed.rounds or record.round))
     finally:
+        desk.stop()
         coordinator.close()
     echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
     return 0
+
+
+def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # noqa: ANN201 - an EnrollmentDesk
+    """The device registry admits updates (unknown and revoked devices are rejected) and the
+    enrollment desk redeems tokens on the coordinator's own session."""
+    from .enrollment import EnrollmentDesk
+    from .registry import Registry
+    registry = Registry(config.registry_path)
+    coordinator.admission = registry.admission
+
+    by_hand = dict(coordinator.device_keys)  # keys provisioned by hand in device_keys.toml, if any
+
+    def refresh_keys() -> None:  # signed updates: the enrolled devices' keys (over any by hand), swapped in whole
+        coordinator.device_keys = {**by_hand, **registry.signing_keys(config.federation.name)}
+
+    refresh_keys()
+    desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())
+    assert coordinator.session is not None
+    desk.attach(coordinator.session.client)
+    return desk
 
 
 def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:

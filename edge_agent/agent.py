@@ -88,10 +88,12 @@ class Agent:
         b = config.broker
         self.session = Session(self.device, b.username, b.password, b.host, b.port, self._on_connect,
                                self._on_message, keepalive=b.keepalive,
-                               will=(topics.status(self.fed, self.device), self._status("offline")))
+                               will=(topics.status(self.fed, self.device), self._status("offline")),
+                               tls_ca=b.tls_ca or None)
 
     def _status(self, state: str) -> bytes:
-        return messages.encode("status", messages.Status(self.device, state, {**self.profile, "busy": self.busy}))
+        profile = {**self.profile, "busy": self.busy, "last_round": int(self.state.data.get("last_round", 0))}
+        return messages.encode("status", messages.Status(self.device, state, profile))
 
     def _announce(self) -> None:
         self.session.publish(topics.status(self.fed, self.device), self._status("online"), retain=True)
@@ -210,6 +212,16 @@ class Agent:
         return float(speeds[arch])
 
     def _handle(self, task: messages.Task) -> None:
+        try:
+            self._work_on(task)
+        finally:
+            # done with this round, whatever happened: say so, so the coordinator may select us again
+            if int(self.state.data.get("last_round", 0)) < task.round:
+                self.state.data["last_round"] = task.round
+                if not self.stopping.is_set():
+                    self._announce()
+
+    def _work_on(self, task: messages.Task) -> None:
         if time.time() > task.deadline:
             log.warning("round %d: task arrived after its deadline; skipped", task.round)
             return
@@ -258,7 +270,6 @@ class Agent:
             return
         finally:
             self.busy = False
-            self._announce()
         result.metrics["epochs_reason"] = epochs_reason
         speeds = self.state.data.setdefault("samples_per_s", {})
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
@@ -273,6 +284,7 @@ class Agent:
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
         self.state.save()  # once per round: algorithm state, residuals, progress
+        self._announce()  # idle before the update goes out, so the next round can select us at once
         if self.session.publish_until(topics.update(self.fed, self.device),
                                       messages.encode_update(update, self.key or b""), task.deadline):
             log.info("round %d: sent update (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,

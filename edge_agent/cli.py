@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "the coordinator sends, until SIGTERM or Ctrl-C.")
     run.add_argument("--config", required=True, help="agent TOML config (see edge_agent/config.py for the keys)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from .operator_cli import add_operator_commands
+    add_operator_commands(sub)
     args = parser.parse_args(argv)
+    if args.command != "run":
+        return args.handler(args)
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

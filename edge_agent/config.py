@@ -5,6 +5,7 @@
     port = 1883
     username = "pi-07"          # broker user; the same as the device id
     password = "..."
+    tls_ca = ""                 # CA certificate (PEM); TLS is on when set (written by `edge-agent enroll`)
 
     [device]
     id = "pi-07"
@@ -35,6 +36,7 @@ class BrokerSettings:
     username: str
     password: str
     keepalive: int = 60
+    tls_ca: str = ""  # CA certificate file; set = TLS to the broker, verified against it
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -50,7 +52,7 @@ class DeviceSettings:
     state_dir: str
     federation: str = "default"
     threads: int = 0
-    signing_key: str = ""  # hex; updates without a valid signature are rejected by the coordinator
+    signing_key: str = ""  # hex; HMAC-SHA256 key for this device's updates (written by `edge-agent enroll`)
 
     def validate(self) -> None:
         topics.check_name("device", self.id)

@@ -5,6 +5,8 @@
     edgefl/<fed>/device/<id>/task     the device's work for a round
     edgefl/<fed>/device/<id>/update   the device's answer (only it may write)
     edgefl/<fed>/device/<id>/status   retained: online/offline and hardware profile
+    edgefl/<fed>/device/<id>/enroll   the device's enrollment request (see `enrollment`)
+    edgefl/<fed>/device/<id>/enrolled the coordinator's answer to it
 
 The broker ACL (see broker_coordinator.broker) follows this layout with `%u`
 patterns, so a device id is also its broker user name.
@@ -54,6 +56,18 @@ def update(fed: str, device: str) -> str:
 
 def status(fed: str, device: str) -> str:
     return f"{ROOT}/{fed}/device/{device}/status"
+
+
+def enroll(fed: str, device: str) -> str:
+    return f"{ROOT}/{fed}/device/{device}/enroll"
+
+
+def enrolled(fed: str, device: str) -> str:
+    return f"{ROOT}/{fed}/device/{device}/enrolled"
+
+
+def all_enrolls(fed: str) -> str:
+    return f"{ROOT}/{fed}/device/+/enroll"
 
 
 def all_updates(fed: str) -> str:

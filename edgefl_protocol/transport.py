@@ -26,10 +26,14 @@ class BrokerUnavailable(Exception):
     """The broker refused or did not answer; the message says which and why."""
 
 
-def make_client(client_id: str, username: str, password: str, reconnect_on_failure: bool = True) -> mqtt.Client:
+def make_client(client_id: str, username: str, password: str, reconnect_on_failure: bool = True,
+                tls_ca: str | None = None) -> mqtt.Client:
+    """An MQTT v5 client; with `tls_ca` (a CA certificate file) it speaks TLS and verifies the broker."""
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5,
                          reconnect_on_failure=reconnect_on_failure)
     client.username_pw_set(username, password)
+    if tls_ca:
+        client.tls_set(ca_certs=tls_ca)
     client.max_queued_messages_set(MAX_QUEUED_MESSAGES)
     return client
 
@@ -77,10 +81,10 @@ class Session:
     def __init__(self, client_id: str, username: str, password: str, host: str, port: int,
                  on_connect: Callable[[mqtt.Client], None], on_message: Callable[[mqtt.Client, mqtt.MQTTMessage], None],
                  keepalive: int = 60, will: tuple[str, bytes] | None = None,
-                 backoff_base: float = 1.0, backoff_cap: float = 60.0) -> None:
+                 backoff_base: float = 1.0, backoff_cap: float = 60.0, tls_ca: str | None = None) -> None:
         self.host, self.port, self.keepalive = host, port, keepalive
         self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
-        self.client = make_client(client_id, username, password, reconnect_on_failure=False)
+        self.client = make_client(client_id, username, password, reconnect_on_failure=False, tls_ca=tls_ca)
         if will:
             self.client.will_set(will[0], will[1], qos=1, retain=True)
         self.client.on_connect = self._on_connect

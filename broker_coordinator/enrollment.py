@@ -1,0 +1,123 @@
+"""The enrollment desk: redeems one-time tokens over MQTT (see edgefl_protocol.enrollment).
+
+A device that runs `edge-agent enroll TOKEN` signs in with the token's one-time
+password and publishes an `EnrollRequest` (token id, a new password it made
+itself) on `edgefl/<fed>/device/<id>/enroll`. The desk:
+
+  1. redeems the token in the registry in one UPDATE (pending, same token id,
+     not expired -> active, new password hash); anything else is refused with
+     a reason (used, expired, revoked, unknown_device);
+  2. answers on `edgefl/<fed>/device/<id>/enrolled` and waits for the PUBACK;
+  3. regenerates the password file (now holding the new hash) and reloads the
+     broker, which drops the one-time password: the same token then fails at
+     the broker's door.
+
+The desk rides on any connected coordinator client (`attach`), so the round
+loop's process can host it; `broker-coordinator serve-enrollment` runs it alone.
+Work happens on one worker thread, never on paho's network thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from edgefl_protocol import enrollment as proto
+from edgefl_protocol import topics
+from edgefl_protocol.errors import Rejected
+
+from .broker import BrokerError, hash_password
+from .config import CoordinatorConfig
+from .devices import apply
+from .registry import Registry, RegistryError
+
+log = logging.getLogger("broker_coordinator.enrollment")
+
+
+class EnrollmentDesk:
+    def __init__(self, config: CoordinatorConfig, registry: Registry,
+                 apply_changes: Callable[[], str] | None = None, echo: Callable[[str], None] | None = None,
+                 on_enrolled: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.on_enrolled = on_enrolled
+        self.registry = registry
+        self.fed = config.federation.name
+        self.apply_changes = apply_changes or (lambda: apply(config, registry))
+        self.echo = echo or log.info
+        self.requests: queue.Queue = queue.Queue(maxsize=256)
+        self.client = None
+        self.worker = threading.Thread(target=self._work, name="enrollment-desk", daemon=True)
+        self.stopping = threading.Event()
+
+    def attach(self, client) -> None:  # noqa: ANN001 - a connected paho client of the coordinator user
+        self.client = client
+        client.message_callback_add(topics.all_enrolls(self.fed), self._on_request)
+        client.subscribe(topics.all_enrolls(self.fed), qos=1)
+        previous = client.on_connect
+
+        def resubscribe(c, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
+            if previous:
+                previous(c, userdata, flags, reason_code, properties)
+            if not reason_code.is_failure:
+                c.subscribe(topics.all_enrolls(self.fed), qos=1)
+
+        client.on_connect = resubscribe
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.requests.put(None)
+        self.worker.join(timeout=10)
+
+    def _on_request(self, client, userdata, msg) -> None:  # noqa: ANN001 - paho's network thread
+        try:
+            self.requests.put_nowait((msg.topic, msg.payload))
+        except queue.Full:
+            log.warning("enrollment queue full; dropped a request on %s", msg.topic)
+
+    def _work(self) -> None:
+        while not self.stopping.is_set():
+            item = self.requests.get()
+            if item is None:
+                return
+            try:
+                self.handle(*item)
+            except Exception:  # noqa: BLE001 - one bad request must not stop the desk
+                log.exception("enrollment request on %s failed", item[0])
+
+    def handle(self, topic: str, payload: bytes) -> proto.EnrollAnswer:
+        parsed = topics.parse_device_topic(topic)
+        device = parsed[1] if parsed else "?"
+        try:
+            request = proto.decode_request(payload)
+            if request.device != device:
+                raise Rejected("bad_request", f"topic says {device}, request says {request.device}")
+            self.registry.activate(device, request.token_id, hash_password(request.password))
+        except Rejected as exc:
+            answer = proto.EnrollAnswer(device, False, "bad_request", exc.detail)
+        except RegistryError as exc:
+            reason, _, detail = str(exc).partition(": ")
+            answer = proto.EnrollAnswer(device, False, reason, detail)
+        else:
+            answer = proto.EnrollAnswer(device, True)
+        info = self.client.publish(topics.enrolled(self.fed, device), proto.encode("enrolled", answer), qos=1)
+        try:
+            info.wait_for_publish(timeout=10)
+        except (RuntimeError, ValueError):
+            log.warning("answer to %s not confirmed by the broker", device)
+        if answer.ok:
+            if self.on_enrolled:
+                self.on_enrolled(device)
+            time.sleep(0.2)  # let the answer reach the device before its one-time session is dropped
+            try:
+                note = self.apply_changes()
+            except BrokerError as exc:
+                log.error("%s enrolled, but: %s", device, exc)
+            else:
+                self.echo(f"{device} enrolled; {note}")
+        else:
+            self.echo(f"enrollment of {device} refused: {answer.reason}: {answer.detail}")
+        return answer

@@ -1,0 +1,137 @@
+"""`edge-agent install-service` and `edge-agent status`.
+
+The unit file is systemd/edge-agent.service from this project, with ExecStart
+pointed at this installation and MemoryMax set for the device. The agent's
+config (which holds its password) stays root-only in /etc/edgefl; systemd
+hands it to the service through LoadCredential=, so the service can run as a
+DynamicUser that owns nothing but /var/lib/edgefl-agent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+UNIT_NAME = "edge-agent.service"
+UNIT_TEMPLATE = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
+UNIT_DEST = Path("/etc/systemd/system") / UNIT_NAME
+DEFAULT_MEMORY_MAX = "70%"
+_MEMORY = re.compile(r"^(\d+[KMGT]?|\d{1,3}%|infinity)$")
+
+
+class ServiceError(Exception):
+    """Installing or querying the service failed; the message says what to do."""
+
+
+def exec_start_prefix() -> str:
+    """How systemd should start this installation's agent."""
+    script = Path(sys.executable).with_name("edge-agent")
+    if script.exists():
+        return str(script)
+    return f"{sys.executable} -m edge_agent"
+
+
+def render_unit(config: Path, memory_max: str = DEFAULT_MEMORY_MAX, template: Path = UNIT_TEMPLATE,
+                command: str | None = None) -> str:
+    if not _MEMORY.match(memory_max):
+        raise ServiceError(f"--memory-max {memory_max!r} is not a systemd size: use e.g. 512M, 1G or 70%")
+    try:
+        text = template.read_text()
+    except OSError:
+        raise ServiceError(f"unit template {template} is missing: reinstall edgefl from its source tree") from None
+    text = re.sub(r"^LoadCredential=agent.toml:.*$", f"LoadCredential=agent.toml:{config}", text, flags=re.M)
+    text = re.sub(r"^MemoryMax=.*$", f"MemoryMax={memory_max}", text, flags=re.M)
+    text = re.sub(r"^ExecStart=\S+", f"ExecStart={command or exec_start_prefix()}", text, count=1, flags=re.M)
+    return text
+
+
+@dataclass
+class Plan:
+    unit_text: str
+    commands: list[list[str]]
+
+
+def plan(config: Path, memory_max: str, dest: Path = UNIT_DEST) -> Plan:
+    return Plan(render_unit(config, memory_max), [
+        ["systemctl", "daemon-reload"],
+        ["systemctl", "enable", "--now", dest.name],
+    ])
+
+
+def describe(p: Plan, dest: Path, sudo: bool) -> str:
+    prefix = "sudo " if sudo else ""
+    lines = [f"# write {dest} (mode 0644):", *("    " + line for line in p.unit_text.rstrip().splitlines()),
+             f"{prefix}install -m 0644 <the unit above> {dest}"]
+    lines += [prefix + shlex.join(c) for c in p.commands]
+    return "\n".join(lines)
+
+
+def install(config: Path, memory_max: str, dry_run: bool, dest: Path = UNIT_DEST) -> tuple[int, str]:
+    """Return (exit code, what to print)."""
+    p = plan(config, memory_max, dest)
+    if dry_run:
+        return 0, "dry run; would do:\n" + describe(p, dest, sudo=False)
+    if os.geteuid() != 0:
+        return 1, ("installing a system service needs root; run 'sudo edge-agent install-service', "
+                   "or these commands:\n" + describe(p, dest, sudo=True))
+    if not config.exists():
+        return 1, f"{config} does not exist: enroll first with 'sudo edge-agent enroll TOKEN'"
+    if shutil.which("systemctl") is None or not Path("/run/systemd/system").is_dir():
+        return 1, "systemd is not running on this machine; start the agent with 'edge-agent run --config ...' instead"
+    dest.write_text(p.unit_text)
+    os.chmod(dest, 0o644)
+    for command in p.commands:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            return 1, f"'{shlex.join(command)}' failed: {done.stderr.strip() or done.stdout.strip()}"
+    return 0, f"installed {dest} and started {dest.name}; check it with 'edge-agent status'"
+
+
+def service_state() -> str:
+    if shutil.which("systemctl") is None or not Path("/run/systemd/system").is_dir():
+        return "unknown (systemd is not running here)"
+    done = subprocess.run(["systemctl", "is-active", UNIT_NAME], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
+    """Enrolled or not, broker reachable, last round, service state. Exit 0 when enrolled and reachable."""
+    from edgefl_protocol.settings import ConfigError
+    from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
+
+    from .config import load_config
+    from .state import DeviceState
+
+    if not config_path.exists():
+        return 1, [f"enrolled:   no ({config_path} does not exist): run 'sudo edge-agent enroll TOKEN'"]
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        hint = ": run 'sudo edge-agent status'" if "not readable" in str(exc) else ""
+        return 1, [f"enrolled:   config unusable: {exc}{hint}"]
+    b, d = config.broker, config.device
+    lines = [f"enrolled:   yes, device {d.id} in federation {d.federation} ({config_path})"]
+    client = make_client(f"{d.id}-status-{os.getpid()}", b.username, b.password, tls_ca=b.tls_ca or None)
+    reachable = True
+    try:
+        connect(client, b.host, b.port, timeout=timeout)
+        client.disconnect()
+        client.loop_stop()
+        lines.append(f"broker:     {b.host}:{b.port} reachable, credentials accepted{' (TLS)' if b.tls_ca else ''}")
+    except (BrokerUnavailable, OSError, ValueError) as exc:
+        reachable = False
+        hint = ("the credentials were refused: the device may have been revoked or rotated; ask the operator "
+                "for a new token" if "refused" in str(exc) else "check the network and the broker")
+        lines.append(f"broker:     {exc}; {hint}")
+    state = DeviceState(d.state_dir).data if Path(d.state_dir).is_dir() else {}
+    last = state.get("last_round")
+    lines.append(f"last round: {last if last is not None else 'none yet'}"
+                 + (f" (model version {state.get('last_model_version')})" if last is not None else ""))
+    lines.append(f"service:    {service_state()}")
+    return (0 if reachable else 1), lines

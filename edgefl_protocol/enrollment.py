@@ -1,0 +1,142 @@
+"""Enrollment: the one-time token and the two messages of the enrollment handshake.
+
+A token is printed by `broker-coordinator devices add NAME` and pasted into
+`edge-agent enroll TOKEN` on the device:
+
+    edgefl1.<base64url msgpack payload>.<base64url checksum>
+
+The payload carries what the device needs: broker address and port, TLS flag
+and CA fingerprint, federation, device id, a *one-time* broker password, the
+update-signing key, the token id and its expiry. The checksum (6 bytes of
+SHA-256) only catches copy-paste damage; the token is a secret, not a
+certificate.
+
+Single use is enforced by the coordinator, not by the token: the one-time
+password works only while the device is `pending` in the registry. On enroll
+the device connects with it, sends `EnrollRequest` (token id and a password
+it generated itself) on its own `enroll` topic; the coordinator checks the
+token id and expiry, stores the new password's hash, marks the token used,
+answers `EnrollAnswer` on the device's `enrolled` topic, and reloads the
+broker, which drops the one-time password. A second use of the token is then
+refused by the broker itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+
+import msgpack
+
+from . import SCHEMA_VERSION
+from .errors import Rejected
+from .messages import _field, _unpack
+from .topics import check_name
+
+TOKEN_PREFIX = "edgefl1"
+_CHECK_BYTES = 6
+
+
+class TokenError(ValueError):
+    """A token that cannot be used; the message says why and what to do."""
+
+
+@dataclass
+class EnrollmentToken:
+    device: str
+    federation: str
+    host: str
+    port: int
+    password: str  # one-time: valid only until the device enrolls (or the token expires)
+    signing_key: str  # hex, per device (HMAC-SHA256 key for updates)
+    token_id: str
+    expires: float  # unix seconds
+    tls: bool = False
+    ca_sha256: str = ""  # hex SHA-256 of the CA certificate (DER) when tls
+
+    @property
+    def username(self) -> str:
+        return self.device
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.expires
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def encode_token(token: EnrollmentToken) -> str:
+    payload = msgpack.packb(asdict(token), use_bin_type=True)
+    check = hashlib.sha256(payload).digest()[:_CHECK_BYTES]
+    return f"{TOKEN_PREFIX}.{_b64(payload)}.{_b64(check)}"
+
+
+def decode_token(text: str) -> EnrollmentToken:
+    """Parse and check a token; raise TokenError (never anything else) if it is unusable."""
+    garbled = TokenError("the enrollment token is garbled: copy the whole line printed by "
+                         "'broker-coordinator devices add' (or get a new one with 'devices rotate NAME')")
+    parts = text.strip().split(".")
+    if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+        raise garbled
+    try:
+        payload, check = _unb64(parts[1]), _unb64(parts[2])
+    except (binascii.Error, ValueError):
+        raise garbled from None
+    if hashlib.sha256(payload).digest()[:_CHECK_BYTES] != check:
+        raise garbled
+    try:
+        raw = msgpack.unpackb(payload, raw=False, max_map_len=32)
+        token = EnrollmentToken(**raw)
+        check_name("device", token.device)
+        check_name("federation", token.federation)
+        if not (isinstance(token.port, int) and 0 < token.port < 65536 and isinstance(token.expires, (int, float))):
+            raise ValueError("bad port or expiry")
+        bytes.fromhex(token.signing_key)
+    except (TypeError, ValueError, msgpack.UnpackException):
+        raise garbled from None
+    return token
+
+
+@dataclass
+class EnrollRequest:
+    """Device -> coordinator, on the device's own `enroll` topic, signed in with the one-time password."""
+
+    device: str
+    token_id: str
+    password: str  # the device's new broker password, generated on the device
+
+
+@dataclass
+class EnrollAnswer:
+    """Coordinator -> device, on the device's own `enrolled` topic."""
+
+    device: str
+    ok: bool
+    reason: str = ""  # "", "used", "expired", "unknown_device", "revoked", "bad_request"
+    detail: str = ""
+
+
+def encode(kind: str, message: EnrollRequest | EnrollAnswer) -> bytes:
+    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **asdict(message)}, use_bin_type=True)
+
+
+def decode_request(data: bytes) -> EnrollRequest:
+    obj = _unpack(data, "enroll", 4096)
+    request = EnrollRequest(_field(obj, "device", str), _field(obj, "token_id", str), _field(obj, "password", str))
+    if not 16 <= len(request.password) <= 256:
+        raise Rejected("schema", "the new password must be 16-256 characters")
+    return request
+
+
+def decode_answer(data: bytes) -> EnrollAnswer:
+    obj = _unpack(data, "enrolled", 4096)
+    return EnrollAnswer(_field(obj, "device", str), _field(obj, "ok", bool), _field(obj, "reason", str),
+                        _field(obj, "detail", str))

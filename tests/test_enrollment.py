@@ -1,0 +1,292 @@
+"""Enrollment: tokens, the single-use handshake against a real Mosquitto, the registry, the CLIs' errors."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+import time
+import tomllib
+
+import pytest
+
+from broker_coordinator import devices as ops
+from broker_coordinator.registry import ACTIVE, PENDING, REVOKED, Registry, RegistryError
+from edge_agent.config import load_config as load_agent_config
+from edge_agent.enroll import EnrollError, enroll
+from edgefl_protocol import enrollment as proto
+from edgefl_protocol.transport import connect, make_client
+
+from .operator_fixtures import FEDERATION, desk, run_module, server  # noqa: F401 - fixtures
+
+
+def sample_token(**changes) -> proto.EnrollmentToken:
+    values = dict(device="pi-07", federation="field", host="broker.example", port=1883, password="p" * 24,
+                  signing_key="ab" * 32, token_id="0123456789abcdef", expires=time.time() + 3600)
+    values.update(changes)
+    return proto.EnrollmentToken(**values)
+
+
+# the token -----------------------------------------------------------------------------
+def test_token_round_trips_and_carries_what_the_device_needs():
+    token = sample_token(tls=True, ca_sha256="cd" * 32)
+    decoded = proto.decode_token(proto.encode_token(token))
+    assert decoded == token and decoded.username == "pi-07"
+
+
+@pytest.mark.parametrize("damage", [
+    lambda t: t[:-3],                                    # truncated
+    lambda t: t.replace(".", "", 1),                     # a separator lost
+    lambda t: t[:20] + ("A" if t[20] != "A" else "B") + t[21:],  # one character changed
+    lambda t: "hello",
+    lambda t: "",
+])
+def test_garbled_token_is_one_clear_error(damage):
+    with pytest.raises(proto.TokenError, match="garbled"):
+        proto.decode_token(damage(proto.encode_token(sample_token())))
+
+
+def test_expired_token_is_refused_before_anything_is_sent(tmp_path):
+    text = proto.encode_token(sample_token(expires=time.time() - 1, host="192.0.2.1"))  # unroutable: never contacted
+    with pytest.raises(EnrollError, match="expired"):
+        enroll(text, tmp_path / "agent.toml")
+    assert not (tmp_path / "agent.toml").exists()
+
+
+# the handshake against a real broker ------------------------------------------------------
+def test_enroll_writes_a_private_config_that_connects(server, desk, tmp_path):
+    text = server.add("pi-07")
+    config = tmp_path / "etc" / "agent.toml"
+    done = enroll(text, config, state_dir=str(tmp_path / "state"))
+    assert done.device == "pi-07" and done.config == config
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    agent = load_agent_config(config)
+    assert agent.device.id == "pi-07" and agent.device.federation == FEDERATION
+    token = proto.decode_token(text)
+    assert agent.device.signing_key == token.signing_key
+    assert agent.broker.password != token.password  # the device made its own password
+    registry = Registry(server.config.registry_path)
+    device = registry.require("pi-07")
+    assert device.state == ACTIVE and device.token_id is None
+    assert registry.admission("pi-07") is None
+    client = make_client("pi-07-check", "pi-07", agent.broker.password)
+    connect(client, "127.0.0.1", server.port, timeout=5)
+    client.disconnect()
+    client.loop_stop()
+
+
+def test_token_cannot_be_used_twice(server, desk, tmp_path):
+    text = server.add("pi-07")
+    enroll(text, tmp_path / "first.toml", state_dir=str(tmp_path))
+    with pytest.raises(EnrollError, match="already used"):
+        enroll(text, tmp_path / "second.toml", state_dir=str(tmp_path), timeout=5)
+    assert not (tmp_path / "second.toml").exists()
+
+
+def test_token_is_refused_after_it_expires_even_if_the_device_clock_is_wrong(server, desk, tmp_path, monkeypatch):
+    text = server.add("pi-07")
+    registry = Registry(server.config.registry_path)
+    with registry.connect() as db:  # the server's clock says it expired
+        db.execute("UPDATE devices SET token_expires = ? WHERE name = 'pi-07'", (time.time() - 1,))
+    with pytest.raises(EnrollError, match="expired"):
+        enroll(text, tmp_path / "agent.toml", timeout=5)
+    assert registry.require("pi-07").state == PENDING
+    ops.apply(server.config, registry)  # any later change drops the expired one-time password
+    assert "pi-07" not in (server.root / "mosquitto/edgefl/passwd").read_text()
+
+
+def test_rotate_replaces_the_token_and_the_old_one_stops_working(server, desk, tmp_path):
+    old = server.add("pi-07")
+    new, _, _ = ops.rotate_device(server.config, "pi-07")
+    with pytest.raises(EnrollError, match="refused this token"):
+        enroll(old, tmp_path / "old.toml", timeout=5)
+    enroll(new, tmp_path / "new.toml", state_dir=str(tmp_path))
+    assert proto.decode_token(new).signing_key != proto.decode_token(old).signing_key
+
+
+def test_no_desk_running_leaves_the_token_unused(server, tmp_path):
+    text = server.add("pi-07")
+    with pytest.raises(EnrollError, match="no answer from the coordinator"):
+        enroll(text, tmp_path / "agent.toml", timeout=1)
+    assert Registry(server.config.registry_path).require("pi-07").token_valid()
+
+
+# registry ---------------------------------------------------------------------------------
+def test_registry_states_and_admission(tmp_path):
+    registry = Registry(tmp_path / "r.db")
+    assert stat.S_IMODE((tmp_path / "r.db").stat().st_mode) == 0o600
+    assert registry.admission("anyone") is None  # an empty registry: a fleet provisioned by hand
+    registry.add("a", "f", "$7$hash", "00" * 32, "tok", time.time() + 60)
+    assert registry.admission("a")[0] == "unknown_device"  # pending: not enrolled yet
+    assert registry.admission("nobody")[0] == "unknown_device"
+    with pytest.raises(RegistryError, match="used"):
+        registry.activate("a", "other-token", "$7$new")
+    registry.activate("a", "tok", "$7$new")
+    assert registry.admission("a") is None and registry.broker_users("f") == {"a": "$7$new"}
+    assert registry.signing_keys("f") == {"a": bytes(32)}
+    registry.revoke("a")
+    assert registry.require("a").state == REVOKED and registry.admission("a")[0] == "revoked"
+    assert registry.broker_users("f") == {} and registry.signing_keys("f") == {}
+    with pytest.raises(RegistryError, match="stay revoked"):
+        registry.reissue("a", "$7$x", "00", "t2", time.time() + 60)
+    with pytest.raises(RegistryError, match="already exists"):
+        registry.add("a", "f", "$7$hash", "00" * 32, "tok", time.time() + 60)
+
+
+# the CLIs' bad input: one line, non-zero, no traceback ---------------------------------------
+@pytest.fixture
+def coordinator_cli(capsys):
+    """`broker-coordinator ARGS` in this process (the end-to-end tests run it as a process)."""
+    from types import SimpleNamespace
+
+    from broker_coordinator.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
+
+
+def _one_line_error(result, expected: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_unknown_device_name(server, coordinator_cli):
+    config = ("--config", str(server.config_path))
+    _one_line_error(coordinator_cli("devices", "revoke", "nobody", *config), "no device named 'nobody'")
+    _one_line_error(coordinator_cli("devices", "rotate", "nobody", *config), "no device named 'nobody'")
+
+
+def test_invalid_device_name(server, coordinator_cli):
+    _one_line_error(coordinator_cli("devices", "add", "a/b", "--config", str(server.config_path)), "invalid device name")
+
+
+def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
+    """Through `broker-coordinator serve-enrollment` and `edge-agent enroll`, as separate processes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .operator_fixtures import PROJECT_ROOT
+    _one_line_error(run_module("edge_agent", "enroll", "edgefl1.garbage.x", "--config", str(tmp_path / "a.toml")),
+                    "garbled")
+    log = tmp_path / "desk.log"
+    with open(log, "wb") as out:
+        desk = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "serve-enrollment", "--config",
+                                 str(server.config_path)], stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    try:
+        give_up = time.monotonic() + 20
+        while b"enrollment desk" not in log.read_bytes():
+            assert time.monotonic() < give_up and desk.poll() is None, log.read_text()
+            time.sleep(0.1)
+        text = server.add("pi-07")
+        first = run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "first.toml"),
+                           "--state-dir", str(tmp_path))
+        assert first.returncode == 0 and first.stdout.startswith("enrolled pi-07"), first.stderr
+        _one_line_error(run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "b.toml"),
+                                   "--timeout", "5"), "already used")
+    finally:
+        desk.send_signal(signal.SIGTERM)
+        assert desk.wait(timeout=15) == 0
+    assert "pi-07 enrolled" in log.read_text()
+
+
+def test_unwritable_config_path_does_not_spend_the_token(server, tmp_path):
+    text = server.add("pi-07")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _one_line_error(run_module("edge_agent", "enroll", text, "--config", str(blocker / "agent.toml")),
+                    "cannot write")
+    assert Registry(server.config.registry_path).require("pi-07").token_valid()
+
+
+def test_missing_coordinator_config_is_explained(tmp_path, coordinator_cli):
+    result = coordinator_cli("devices", "list", "--config", str(tmp_path / "none.toml"))
+    _one_line_error(result, "does not exist")
+
+
+def test_bad_config_key_is_named(tmp_path, coordinator_cli):
+    path = tmp_path / "c.toml"
+    path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\nport = 70000\n')
+    _one_line_error(coordinator_cli("devices", "list", "--config", str(path)), "[broker]: port")
+    path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\nprot = 1\n')
+    _one_line_error(coordinator_cli("devices", "list", "--config", str(path)), "prot")
+
+
+def test_config_env_override_and_rounds_section(server, monkeypatch):
+    from broker_coordinator.config import load_config
+    monkeypatch.setenv("EDGEFL_COORDINATOR_BROKER_PORT", "1999")
+    monkeypatch.setenv("EDGEFL_COORDINATOR_ROUNDS_LR", "0.5")
+    config = load_config(server.config_path)
+    assert config.broker.port == 1999 and config.broker.devices_port == 1999
+    assert config.rounds.algorithm == "fedavg" and config.rounds.round_timeout == 30.0 and config.rounds.lr == 0.5
+    assert config.registry_path == Path(config.storage.state_dir) / "coordinator.db"
+
+
+def test_tls_needs_a_separate_device_port(tmp_path, coordinator_cli):
+    path = tmp_path / "c.toml"
+    path.write_text('[federation]\ntest_data = "t.npz"\n[broker]\npassword = "x"\ntls_cert = "c"\ntls_key = "k"\n')
+    _one_line_error(coordinator_cli("devices", "list", "--config", str(path)), "device_port")
+
+
+# TLS ---------------------------------------------------------------------------------------------
+def self_signed(directory, name: str = "broker"):
+    import shutil
+    import subprocess
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (CI installs it: apt-get install openssl)")
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
+    from .operator_fixtures import start_server, stop_server
+    cert, key = self_signed(tmp_path / "pki")
+    from broker_coordinator.broker import free_port
+    server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"', device_port=free_port())
+    try:
+        from broker_coordinator.enrollment import EnrollmentDesk
+        client = ops.coordinator_client(server.config, "desk")
+        connect(client, "127.0.0.1", server.port, timeout=10)
+        desk = EnrollmentDesk(server.config, ops.open_registry(server.config))
+        desk.attach(client)
+        text = server.add("pi-07")
+        token = proto.decode_token(text)
+        assert token.tls and token.ca_sha256 == ops.ca_fingerprint(str(cert))
+
+        other, _ = self_signed(tmp_path / "pki", "other")
+        with pytest.raises(EnrollError, match="does not match the token's CA fingerprint"):
+            enroll(text, tmp_path / "bad.toml", ca_file=other)
+
+        done = enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path))
+        assert done.tls
+        agent = load_agent_config(tmp_path / "etc" / "agent.toml")
+        assert Path(agent.broker.tls_ca).read_text() == cert.read_text()
+        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, tls_ca=agent.broker.tls_ca)
+        connect(secure, "127.0.0.1", server.config.broker.devices_port, timeout=5)
+        secure.disconnect()
+        secure.loop_stop()
+        desk.stop()
+        client.disconnect()
+        client.loop_stop()
+    finally:
+        stop_server(server)
+
+
+def test_revoke_says_so_when_the_broker_cannot_be_reloaded(server, coordinator_cli):
+    server.add("pi-07")
+    (server.root / "run" / "mosquitto.pid").unlink()  # as if mosquitto were not running
+    result = coordinator_cli("devices", "revoke", "pi-07", "--config", str(server.config_path))
+    _one_line_error(result, "pi-07 is revoked in the registry")
+    assert "systemctl reload mosquitto" in result.stderr
+    assert Registry(server.config.registry_path).require("pi-07").state == REVOKED
