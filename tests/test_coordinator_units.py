@@ -82,7 +82,7 @@ def _coordinator_and_round(tmp_path):
     from broker_coordinator.store import Store
     from models import datasets
 
-    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(), store=Store(tmp_path),
+    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32"), store=Store(tmp_path),
                     device_keys={d: KEY for d in ("d1", "d2", "d9")})
     return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, StreamingMean(c.specs))
 
