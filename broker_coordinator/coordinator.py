@@ -5,6 +5,12 @@ thread that calls `run_round`, so nothing here needs a lock. Each round is
 checkpointed (model, server state, round record) before the database learns of
 it, so a coordinator killed at any point resumes without aggregating a round
 twice (see `store`).
+
+Every update is hostile until validated: size cap, then the device's HMAC
+signature (before anything is parsed), then sender, federation, replay,
+round and model-version freshness, deadline, cohort, codec, shapes, finite
+values and the optional norm bound. A rejection is logged with its reason,
+counted per reason and never touches the global model.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
-from edgefl_protocol import algorithms, codec, messages, topics
+import numpy as np
+
+from edgefl_protocol import algorithms, codec, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights, set_weights
@@ -51,7 +60,10 @@ class RoundSettings:
     min_updates: int = 1  # quorum needed to close a round at its deadline
     max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
     normalize_steps: bool = False  # FedNova-style normalization by local steps
-    codec: str = "float32"
+    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
+    model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
+    model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
+    max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no bound
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
@@ -68,11 +80,14 @@ class RoundSettings:
             (self.round_timeout > 0, "round_timeout must be > 0"),
             (self.min_updates >= 1, "min_updates must be >= 1"),
             (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
-            (self.codec in codec.CODECS, f"codec must be one of {', '.join(codec.CODECS)}"),
+            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
+            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        codec.parse(self.codec)
+        downlink.check_model_codec(self.model_codec)
 
     def task_hparams(self, round_no: int) -> dict[str, float]:
         algorithm = algorithms.get(self.algorithm)
@@ -112,7 +127,8 @@ def _clock(ts: float) -> str:
 class Coordinator:
     def __init__(self, federation: str, arch: str, test_set: Dataset, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
-                 on_state: Callable[[Round], None] | None = None) -> None:
+                 on_state: Callable[[Round], None] | None = None,
+                 device_keys: Mapping[str, bytes] | None = None) -> None:
         settings.validate()
         self.fed = topics.check_name("federation", federation)
         self.arch, self.settings, self.test_set = arch, settings, test_set
@@ -133,13 +149,16 @@ class Coordinator:
         self.last_metrics: dict[str, dict[str, Any]] = {}
         self.closed_at: dict[int, float] = {}
         self.rejections: Counter[str] = Counter()
+        self.device_keys: dict[str, bytes] = dict(device_keys or {})  # device -> HMAC key (from enrollment)
+        self.accepted: set[tuple[str, int]] = set()  # (device, round) of every accepted update: replay guard
         # device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects
         # unknown and revoked devices. None: every device the broker lets in is admitted (simulate).
         self.admission: Callable[[str], tuple[str, str] | None] | None = None
         self.inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.session: Session | None = None
-        self._model_payload: bytes | None = None
+        self._model_payloads: list[tuple[str, bytes]] = []  # retained (topic, payload) of the current model
+        self._published: tuple[int, int] | None = None  # (version, chunks) of the retained model
         if store:
             self._resume(store)
 
@@ -170,8 +189,8 @@ class Coordinator:
         # Presence is re-learnt from the retained statuses the subscription delivers.
         self.inbox.put(("", b"reset-presence", time.time()))
         client.subscribe([(topics.all_updates(self.fed), 1), (topics.all_statuses(self.fed), 1)])
-        if self._model_payload is not None:  # a restarted broker has lost the retained model
-            client.publish(topics.model(self.fed, self.version), self._model_payload, qos=1, retain=True)
+        for topic, payload in self._model_payloads:  # a restarted broker has lost the retained model
+            client.publish(topic, payload, qos=1, retain=True)
 
     def close(self) -> None:
         if self.session:
@@ -242,6 +261,7 @@ class Coordinator:
         weight, steps = self._weight_and_steps(update)
         current.aggregate.add(delta, weight, steps)
         current.answered.add(device)
+        self.accepted.add((device, current.number))
         current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples)
         current.bytes_up += len(data)
         self.last_metrics[device] = dict(update.metrics)
@@ -268,9 +288,14 @@ class Coordinator:
         refused = self.admission(device) if self.admission else None
         if refused:
             raise Rejected(*refused)
-        update = messages.decode_update(data, self.max_update_bytes)
+        # size cap and the device's signature come first: nothing is parsed before them
+        update = messages.decode_update(data, self.max_update_bytes, self.device_keys.get(device), device)
         if update.device != device:
             raise Rejected("sender", f"topic says {device} but the update claims {update.device}")
+        if update.federation != self.fed:
+            raise Rejected("federation", f"update is for federation {update.federation!r}, this is {self.fed!r}")
+        if (device, update.round) in self.accepted:
+            raise Rejected("replay", f"{device} already had an update accepted for round {update.round}")
         if update.round in self.closed_at and (current is None or update.round != current.number):
             raise Rejected("late", f"round {update.round} closed at {_clock(self.closed_at[update.round])}, "
                                    f"update arrived {_clock(arrived)}")
@@ -287,7 +312,13 @@ class Coordinator:
         if update.model_version != current.base_version:
             raise Rejected("stale", f"update was trained on model version {update.model_version}, "
                                     f"round {current.number} distributed version {current.base_version}")
-        return update, codec.decode(update.body, self.specs, self.max_values)
+        if update.codec != codec.parse(self.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
+        delta = codec.decode(update.codec, update.specs, update.body, self.specs, self.max_values)
+        bound = self.settings.max_update_norm
+        if bound and (norm := _norm(delta)) > bound:
+            raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
+        return update, delta
 
     # presence -----------------------------------------------------------------------
     def eligible(self) -> list[str]:
@@ -314,14 +345,23 @@ class Coordinator:
 
     # rounds -------------------------------------------------------------------------
     def _publish_model(self, deadline: float) -> None:
-        release = messages.ModelRelease(self.version, self.arch, codec.encode(self.weights, "float32"))
-        self._model_payload = messages.encode("model", release)
+        """Once per version: retained chunks, then the retained manifest; clear the previous version."""
         assert self.session is not None
-        if not self.session.publish_until(topics.model(self.fed, self.version), self._model_payload, deadline,
-                                          retain=True):
-            raise RoundFailed(f"could not publish model version {self.version} before the deadline")
-        if self.version > 0:  # clear the previous version's retained copy
-            self.session.publish(topics.model(self.fed, self.version - 1), b"", qos=1, retain=True)
+        if self._published and self._published[0] == self.version:
+            return
+        manifest, chunks = downlink.release(self.version, self.arch, self.weights, self.settings.model_codec,
+                                            self.settings.model_chunk_bytes)
+        self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
+        self._model_payloads.append((topics.model(self.fed, self.version), messages.encode("model", manifest)))
+        for topic, payload in self._model_payloads:
+            if not self.session.publish_until(topic, payload, deadline, retain=True):
+                raise RoundFailed(f"could not publish model version {self.version} before the deadline")
+        if self._published:  # clear the previous version's retained copies
+            old, count = self._published
+            self.session.publish(topics.model(self.fed, old), b"", qos=1, retain=True)
+            for i in range(count):
+                self.session.publish(topics.model_chunk(self.fed, old, i), b"", qos=1, retain=True)
+        self._published = (self.version, len(chunks))
 
     def _set_state(self, rnd: Round, state: RoundState, reason: str = "") -> None:
         rnd.move(state, reason)
@@ -415,6 +455,10 @@ class Coordinator:
         return RoundRecord(rnd.number, rnd.attempt, rnd.aggregate.count, len(rnd.cohort), accuracy, loss,
                            rnd.bytes_up, time.time() - rnd.started, dict(rnd.rejected), closed, base_sha,
                            model_sha, rnd.device_metrics)
+
+
+def _norm(tensors: Mapping[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.dot(a.ravel().astype(np.float64), a.ravel())) for a in tensors.values())))
 
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:
