@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
@@ -40,7 +42,7 @@ from broker_coordinator.rounds import RoundState  # noqa: E402
 from broker_coordinator.simulate import (SimulationSpec, prepare_shards, spawn_agent,  # noqa: E402
                                          stop_processes, write_agent_config)
 from broker_coordinator.store import Store  # noqa: E402
-from edgefl_protocol import codec  # noqa: E402
+from edgefl_protocol import codec, signing  # noqa: E402
 from models import datasets  # noqa: E402
 from models.architectures import build_model, get_weights  # noqa: E402
 
@@ -97,6 +99,7 @@ def overhead_run(agents: int, rounds: int, workdir: Path) -> dict:
     password = broker.add_user(COORDINATOR_USER)
     devices = [f"dev-{i:03d}" for i in range(agents)]
     passwords = {d: broker.add_user(d) for d in devices}
+    keys = {d: signing.new_key() for d in devices}
     marks: dict[int, dict[str, float]] = {}
 
     def on_state(rnd):
@@ -107,12 +110,12 @@ def overhead_run(agents: int, rounds: int, workdir: Path) -> dict:
     processes = []
     with broker:
         coordinator = Coordinator(FED, data.model, data.test, RoundSettings(local_epochs=2, round_timeout=600),
-                                  store=Store(workdir / "coordinator"), on_state=on_state)
+                                  store=Store(workdir / "coordinator"), on_state=on_state, device_keys=keys)
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, password)
         try:
             for device, shard in zip(devices, shards):
                 config = shard.parent / "agent.toml"
-                write_agent_config(config, device, passwords[device], broker.port, spec, shard)
+                write_agent_config(config, device, passwords[device], broker.port, spec, shard, keys[device])
                 processes.append(spawn_agent(config, shard.parent / "agent.log"))
             coordinator.wait_for_devices(agents, 600)
             sampler = RssSampler([p.pid for p in processes])
@@ -147,8 +150,10 @@ def scale_run(size: int, rounds: int, workdir: Path) -> dict:
     devices = [(f"sim-{i:04d}", broker.add_user(f"sim-{i:04d}")) for i in range(size)]
     weights = get_weights(build_model("mnist_cnn"))
     rng = np.random.default_rng(0)
-    body = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()})
-    (workdir / "body.bin").write_bytes(body)
+    encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()},
+                           RoundSettings().codec)  # the codec the coordinator's tasks name
+    (workdir / "body.bin").write_bytes(msgpack.packb(
+        {"codec": encoded.codec, "specs": encoded.specs, "body": encoded.body}, use_bin_type=True))
     swarms = []
     with broker:
         chunk = 250
@@ -177,6 +182,11 @@ def scale_run(size: int, rounds: int, workdir: Path) -> dict:
                 s.wait(timeout=30)
 
 
+def swarm_key(device: str) -> bytes:
+    """The swarm's per-device signing keys, derived so both processes agree (bench only)."""
+    return hashlib.sha256(f"edgefl-bench-swarm/{device}".encode()).digest()
+
+
 def coordinator_worker(args: argparse.Namespace) -> None:
     """Runs in its own process so that its peak RSS is its own."""
     data = datasets.load("mnist5k")
@@ -188,7 +198,8 @@ def coordinator_worker(args: argparse.Namespace) -> None:
 
     coordinator = Coordinator(FED, "mnist_cnn", data.test,
                               RoundSettings(round_timeout=600, min_updates=args.size, lr_decay=1.0),
-                              store=Store(args.state), on_state=on_state)
+                              store=Store(args.state), on_state=on_state,
+                              device_keys={f"sim-{i:04d}": swarm_key(f"sim-{i:04d}") for i in range(args.size)})
     coordinator.connect("127.0.0.1", args.port, COORDINATOR_USER, args.password, keepalive=120)
     coordinator.wait_for_devices(args.size, 600)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

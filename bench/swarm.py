@@ -12,13 +12,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import hashlib  # noqa: E402
+
+import msgpack  # noqa: E402
+
 from edgefl_protocol import messages, topics  # noqa: E402
 from edgefl_protocol.transport import make_client  # noqa: E402
 
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    body = Path(spec["body_file"]).read_bytes()  # codec-encoded delta, shared by all devices
+    encoded = msgpack.unpackb(Path(spec["body_file"]).read_bytes())  # codec-encoded delta, shared by all devices
     fed, clients = spec["federation"], []
     connected = threading.Semaphore(0)
 
@@ -33,8 +37,10 @@ def main(spec_path: str) -> int:
 
         def on_message(c, userdata, msg, device=device):  # noqa: ANN001
             task = messages.decode_task(msg.payload)
-            update = messages.Update(device, task.round, task.model_version, 100, {"steps": 4}, body)
-            c.publish(topics.update(fed, device), messages.encode("update", update), qos=1)
+            update = messages.Update(device, task.round, task.model_version, 100, {"steps": 4}, encoded["body"],
+                                     encoded["codec"], encoded["specs"], fed)
+            key = hashlib.sha256(f"edgefl-bench-swarm/{device}".encode()).digest()  # = runtime.swarm_key
+            c.publish(topics.update(fed, device), messages.encode_update(update, key), qos=1)
 
         client.on_connect, client.on_message = on_connect, on_message
         client.will_set(topics.status(fed, device), b"", qos=1, retain=True)

@@ -43,6 +43,14 @@ def _hparam(text: str) -> tuple[str, float | str]:
         return key, value
 
 
+def _codec(text: str) -> str:
+    from edgefl_protocol import codec
+    try:
+        return codec.parse(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _name(text: str) -> str:
     try:
         return topics.check_name("federation", text)
@@ -86,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=0.0, help="local SGD momentum")
     sim.add_argument("--round-timeout", type=_bounded(float, 1.0), default=300.0,
                      help="seconds a round waits for updates")
+    sim.add_argument("--codec", type=_codec, default=None,
+                     help="uplink codec the tasks name, e.g. float32, q8, topk0.05+q8+zlib "
+                          "(default: RoundSettings.codec, see README)")
+    sim.add_argument("--model-codec", type=_codec, default="float32",
+                     help="downlink codec for the global model: float32 (lossless) or float16, optionally +zlib")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for results and run files")
     sim.add_argument("--federation", type=_name, default="sim")
@@ -120,7 +133,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,
                              selection=args.selection, min_updates=args.min_updates,
-                             normalize_steps=args.normalize_steps, hparams=dict(args.hparam))
+                             normalize_steps=args.normalize_steps, model_codec=args.model_codec,
+                             hparams=dict(args.hparam))
+    if args.codec:
+        settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))
     return 0
 

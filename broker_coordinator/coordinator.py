@@ -5,6 +5,12 @@ thread that calls `run_round`, so nothing here needs a lock. Each round is
 checkpointed (model, server state, round record) before the database learns of
 it, so a coordinator killed at any point resumes without aggregating a round
 twice (see `store`).
+
+Every update is hostile until validated: size cap, then the device's HMAC
+signature (before anything is parsed), then sender, federation, replay,
+round and model-version freshness, deadline, cohort, codec, shapes, finite
+values and the optional norm bound. A rejection is logged with its reason,
+counted per reason and never touches the global model.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
-from edgefl_protocol import algorithms, codec, messages, topics
+import numpy as np
+
+from edgefl_protocol import algorithms, codec, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights, set_weights
@@ -52,7 +61,10 @@ class RoundSettings:
     min_updates: int = 1  # quorum needed to close a round at its deadline
     max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
     normalize_steps: bool = False  # FedNova-style normalization by local steps
-    codec: str = "float32"
+    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
+    model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
+    model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
+    max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no bound
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
@@ -73,11 +85,14 @@ class RoundSettings:
             (self.round_timeout > 0, "round_timeout must be > 0"),
             (self.min_updates >= 1, "min_updates must be >= 1"),
             (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
-            (self.codec in codec.CODECS, f"codec must be one of {', '.join(codec.CODECS)}"),
+            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
+            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        codec.parse(self.codec)
+        downlink.check_model_codec(self.model_codec)
 
     def task_hparams(self, round_no: int) -> dict[str, float]:
         algorithm = algorithms.get(self.algorithm)
@@ -117,7 +132,8 @@ def _clock(ts: float) -> str:
 class Coordinator:
     def __init__(self, federation: str, arch: str, test_set: Dataset, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
-                 on_state: Callable[[Round], None] | None = None) -> None:
+                 on_state: Callable[[Round], None] | None = None,
+                 device_keys: Mapping[str, bytes] | None = None) -> None:
         settings.validate()
         self.fed = topics.check_name("federation", federation)
         self.arch, self.settings, self.test_set = arch, settings, test_set
@@ -137,16 +153,20 @@ class Coordinator:
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
+        self.pending_round: dict[str, int] = {}
         self.last_metrics: dict[str, dict[str, Any]] = {}
         self.closed_at: dict[int, float] = {}
         self.rejections: Counter[str] = Counter()
+        self.device_keys: dict[str, bytes] = dict(device_keys or {})  # device -> HMAC key (from enrollment)
+        self.accepted: set[tuple[str, int]] = set()  # (device, round) of every accepted update: replay guard
         # device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects
         # unknown and revoked devices. None: every device the broker lets in is admitted (simulate).
         self.admission: Callable[[str], tuple[str, str] | None] | None = None
         self.inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue()
         self.stopping = threading.Event()
         self.session: Session | None = None
-        self._model_payload: bytes | None = None
+        self._model_payloads: list[tuple[str, bytes]] = []  # retained (topic, payload) of the current model
+        self._published: tuple[int, int] | None = None  # (version, chunks) of the retained model
         if store:
             self._resume(store)
 
@@ -177,8 +197,8 @@ class Coordinator:
         # Presence is re-learnt from the retained statuses the subscription delivers.
         self.inbox.put(("", b"reset-presence", time.time()))
         client.subscribe([(topics.all_updates(self.fed), 1), (topics.all_statuses(self.fed), 1)])
-        if self._model_payload is not None:  # a restarted broker has lost the retained model
-            client.publish(topics.model(self.fed, self.version), self._model_payload, qos=1, retain=True)
+        for topic, payload in self._model_payloads:  # a restarted broker has lost the retained model
+            client.publish(topic, payload, qos=1, retain=True)
 
     def close(self) -> None:
         if self.session:
@@ -216,6 +236,11 @@ class Coordinator:
             return
         if status.state == "online":
             self.online[device] = dict(status.profile)
+            last_round = status.profile.get("last_round", 0)
+            if (not status.profile.get("busy") and isinstance(last_round, int)
+                    and last_round >= self.pending_round.get(device, 0)):
+                # idle and done with the round it was tasked for (even if its answer was lost): free again
+                self.pending_until.pop(device, None)
         else:
             self.online.pop(device, None)
             self.pending_until.pop(device, None)
@@ -247,6 +272,7 @@ class Coordinator:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
         self.server_rule.observe(device, update.num_samples, update.metrics)
         current.answered.add(device)
+        self.accepted.add((device, current.number))
         current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples)
         current.bytes_up += len(data)
         self.last_metrics[device] = dict(update.metrics)
@@ -273,9 +299,14 @@ class Coordinator:
         refused = self.admission(device) if self.admission else None
         if refused:
             raise Rejected(*refused)
-        update = messages.decode_update(data, self.max_update_bytes)
+        # size cap and the device's signature come first: nothing is parsed before them
+        update = messages.decode_update(data, self.max_update_bytes, self.device_keys.get(device), device)
         if update.device != device:
             raise Rejected("sender", f"topic says {device} but the update claims {update.device}")
+        if update.federation != self.fed:
+            raise Rejected("federation", f"update is for federation {update.federation!r}, this is {self.fed!r}")
+        if (device, update.round) in self.accepted:
+            raise Rejected("replay", f"{device} already had an update accepted for round {update.round}")
         if update.round in self.closed_at and (current is None or update.round != current.number):
             raise Rejected("late", f"round {update.round} closed at {_clock(self.closed_at[update.round])}, "
                                    f"update arrived {_clock(arrived)}")
@@ -292,7 +323,14 @@ class Coordinator:
         if update.model_version != current.base_version:
             raise Rejected("stale", f"update was trained on model version {update.model_version}, "
                                     f"round {current.number} distributed version {current.base_version}")
-        return update, codec.decode(update.body, {**self.specs, **self.extra_specs}, self.max_values)
+        if update.codec != codec.parse(self.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
+        delta = codec.decode(update.codec, update.specs, update.body, {**self.specs, **self.extra_specs},
+                             self.max_values)
+        bound = self.settings.max_update_norm
+        if bound and (norm := _norm({name: delta[name] for name in self.specs})) > bound:
+            raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
+        return update, delta
 
     # presence -----------------------------------------------------------------------
     def eligible(self) -> list[str]:
@@ -319,15 +357,24 @@ class Coordinator:
 
     # rounds -------------------------------------------------------------------------
     def _publish_model(self, deadline: float) -> None:
-        tensors = {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
-        release = messages.ModelRelease(self.version, self.arch, codec.encode(tensors, "float32"))
-        self._model_payload = messages.encode("model", release)
+        """Once per version: retained chunks, then the retained manifest; clear the previous version."""
         assert self.session is not None
-        if not self.session.publish_until(topics.model(self.fed, self.version), self._model_payload, deadline,
-                                          retain=True):
-            raise RoundFailed(f"could not publish model version {self.version} before the deadline")
-        if self.version > 0:  # clear the previous version's retained copy
-            self.session.publish(topics.model(self.fed, self.version - 1), b"", qos=1, retain=True)
+        if self._published and self._published[0] == self.version:
+            return
+        tensors = {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
+        manifest, chunks = downlink.release(self.version, self.arch, tensors, self.settings.model_codec,
+                                            self.settings.model_chunk_bytes)
+        self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
+        self._model_payloads.append((topics.model(self.fed, self.version), messages.encode("model", manifest)))
+        for topic, payload in self._model_payloads:
+            if not self.session.publish_until(topic, payload, deadline, retain=True):
+                raise RoundFailed(f"could not publish model version {self.version} before the deadline")
+        if self._published:  # clear the previous version's retained copies
+            old, count = self._published
+            self.session.publish(topics.model(self.fed, old), b"", qos=1, retain=True)
+            for i in range(count):
+                self.session.publish(topics.model_chunk(self.fed, old, i), b"", qos=1, retain=True)
+        self._published = (self.version, len(chunks))
 
     def _set_state(self, rnd: Round, state: RoundState, reason: str = "") -> None:
         rnd.move(state, reason)
@@ -362,6 +409,7 @@ class Coordinator:
         for device in sorted(cohort):
             self.session.publish(topics.task(self.fed, device), payload, qos=1)
             self.pending_until[device] = deadline + s.round_timeout
+            self.pending_round[device] = round_no
         self._set_state(rnd, RoundState.COLLECTING)
         while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
             self._drain(min(0.5, deadline - time.time()), rnd)
@@ -423,6 +471,10 @@ class Coordinator:
         return RoundRecord(rnd.number, rnd.attempt, rnd.aggregate.count, len(rnd.cohort), accuracy, loss,
                            rnd.bytes_up, time.time() - rnd.started, dict(rnd.rejected), closed, base_sha,
                            model_sha, rnd.device_metrics)
+
+
+def _norm(tensors: Mapping[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.dot(a.ravel().astype(np.float64), a.ravel())) for a in tensors.values())))
 
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:

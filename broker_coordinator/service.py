@@ -8,6 +8,7 @@ import signal
 import time
 from typing import Callable
 
+from edgefl_protocol import signing
 from models.datasets import load_npz
 
 from .config import CoordinatorConfig
@@ -17,6 +18,7 @@ from .report import format_round
 from .store import Store
 
 log = logging.getLogger("broker_coordinator")
+DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex HMAC key", in the state dir
 
 
 def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
@@ -25,8 +27,9 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     metrics = Metrics()
     if config.metrics.port:
         metrics.serve(config.metrics.port, config.metrics.bind)
+    keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
-                              store=Store(config.storage.state_dir), metrics=metrics)
+                              store=Store(config.storage.state_dir), metrics=metrics, device_keys=keys)
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -60,9 +63,10 @@ def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # n
     registry = Registry(config.registry_path)
     coordinator.admission = registry.admission
 
-    def refresh_keys() -> None:  # signed updates (issue 4): the enrolled devices' keys, swapped in whole
-        if hasattr(coordinator, "device_keys"):
-            coordinator.device_keys = registry.signing_keys(config.federation.name)
+    by_hand = dict(coordinator.device_keys)  # keys provisioned by hand in device_keys.toml, if any
+
+    def refresh_keys() -> None:  # signed updates: the enrolled devices' keys (over any by hand), swapped in whole
+        coordinator.device_keys = {**by_hand, **registry.signing_keys(config.federation.name)}
 
     refresh_keys()
     desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgefl_protocol import signing
 from edgefl_protocol.settings import to_toml
 from models import datasets, partition
 
@@ -54,12 +55,14 @@ def prepare_shards(spec: SimulationSpec, data: datasets.FederatedData, devices_d
     return paths
 
 
-def write_agent_config(path: Path, device: str, password: str, port: int, spec: SimulationSpec, data: Path) -> None:
+def write_agent_config(path: Path, device: str, password: str, port: int, spec: SimulationSpec, data: Path,
+                       signing_key: bytes | None = None) -> None:
     """The agent config format of edge_agent/config.py, as a device would have it after enrollment."""
     sections = {
         "broker": {"host": "127.0.0.1", "port": port, "username": device, "password": password},
         "device": {"id": device, "data": str(data), "state_dir": str(path.parent / "state"),
-                   "federation": spec.federation, "threads": spec.agent_threads},
+                   "federation": spec.federation, "threads": spec.agent_threads,
+                   "signing_key": signing_key.hex() if signing_key else None},
     }
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -106,6 +109,7 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
     coordinator_password = broker.add_user(COORDINATOR_USER)
     devices = [f"dev-{i:03d}" for i in range(spec.agents)]
     passwords = {device: broker.add_user(device) for device in devices}
+    keys = {device: signing.new_key() for device in devices}  # per-device update signing keys
     processes: list[subprocess.Popen] = []
     history: list[dict] = []
     with broker:
@@ -115,12 +119,12 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
         coordinator = Coordinator(spec.federation, data.model, data.test, settings, seed=spec.seed,
-                                  store=Store(run_dir / "coordinator"), metrics=metrics)
+                                  store=Store(run_dir / "coordinator"), metrics=metrics, device_keys=keys)
         coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         try:
             for device, shard in zip(devices, shard_paths):
                 config = shard.parent / "agent.toml"
-                write_agent_config(config, device, passwords[device], broker.port, spec, shard)
+                write_agent_config(config, device, passwords[device], broker.port, spec, shard, keys[device])
                 processes.append(spawn_agent(config, shard.parent / "agent.log"))
             echo(f"started {len(processes)} agent processes; waiting for them to come online")
             coordinator.wait_for_devices(spec.agents, spec.startup_timeout,

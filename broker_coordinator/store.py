@@ -39,7 +39,7 @@ CHECKPOINT = "checkpoint.msgpack"
 
 
 def model_sha256(weights: dict[str, np.ndarray]) -> str:
-    return hashlib.sha256(codec.encode(weights, "float32")).hexdigest()
+    return hashlib.sha256(codec.encode(weights, "float32").body).hexdigest()
 
 
 @dataclass

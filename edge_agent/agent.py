@@ -4,10 +4,18 @@ paho's network thread only decodes and queues; training runs on the main
 thread so the session keeps answering keepalives while the CPU is busy. The
 device's status (retained, with a will for "offline") carries its hardware
 profile and whether it is busy training.
+
+The model arrives as a retained manifest per version; the agent subscribes to
+that version's chunks only when it does not already hold the same bytes
+(sha256, kept in memory and in `model.bin` in the state dir), reassembles
+and verifies them. The delta goes out signed with the device's key, in the
+codec the task names; for top-k codecs the error-feedback residual is kept in
+the device state (saved once per round with the rest).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -15,10 +23,11 @@ import signal
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import torch
 
-from edgefl_protocol import algorithms, codec, messages, topics
+from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
@@ -27,12 +36,13 @@ from models.datasets import load_npz
 
 from .config import AgentConfig
 from .hardware import calibrate, plan_epochs, probe
-from .state import DeviceState
+from .state import DeviceState, atomic_write
 from .training import LocalSettings, Stopped, train_locally
 
 log = logging.getLogger("edge_agent")
 MAX_MODEL_BYTES = 64 * 1024 * 1024
 MAX_MODEL_VALUES = 16 * 1024 * 1024
+MODEL_CACHE = "model.bin"
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
 
 
@@ -62,8 +72,13 @@ class Agent:
         self.fed, self.device = config.device.federation, config.device.id
         self.data = load_npz(config.device.data)
         self.tasks: queue.Queue[messages.Task] = queue.Queue(maxsize=16)
-        self.models: dict[int, messages.ModelRelease] = {}
+        self.models: dict[int, tuple[messages.ModelRelease, bytes]] = {}  # version -> manifest, verified body
+        self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
+        self.cached: tuple[str, bytes] | None = self._load_cached_model()  # (sha256, body)
         self.models_changed = threading.Condition()
+        self.key = signing.key_from_hex(config.device.signing_key) if config.device.signing_key else None
+        if self.key is None:
+            log.error("no signing_key in [device]: the coordinator will reject every update from %s", self.device)
         self.stopping = threading.Event()
         self.busy = False
         self.released: dict = {}  # extra.* tensors of the current model release
@@ -79,14 +94,16 @@ class Agent:
                                tls_ca=b.tls_ca or None)
 
     def _status(self, state: str) -> bytes:
-        return messages.encode("status", messages.Status(self.device, state, {**self.profile, "busy": self.busy}))
+        profile = {**self.profile, "busy": self.busy, "last_round": int(self.state.data.get("last_round", 0))}
+        return messages.encode("status", messages.Status(self.device, state, profile))
 
     def _announce(self) -> None:
         self.session.publish(topics.status(self.fed, self.device), self._status("online"), retain=True)
 
     # paho callbacks (network thread) -------------------------------------------------
     def _on_connect(self, client) -> None:  # noqa: ANN001
-        client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1)])
+        client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1)]
+                         + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)])
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
         log.info("connected as %s", self.device)
 
@@ -98,14 +115,67 @@ class Agent:
                 release = messages.decode_model(msg.payload, MAX_MODEL_BYTES)
                 if release.version != version:
                     raise Rejected("schema", f"model topic says version {version}, message says {release.version}")
-                with self.models_changed:
-                    self.models = {v: m for v, m in self.models.items() if v > version - 2}
-                    self.models[version] = release
-                    self.models_changed.notify_all()
+                self._on_manifest(client, release)
+            elif (where := topics.parse_model_chunk_topic(msg.topic)) is not None and msg.payload:
+                self._on_chunk(client, *where, msg.payload)
         except Rejected as exc:
             log.warning("ignored message on %s: %s", msg.topic, exc)
         except queue.Full:
             log.warning("task queue full; dropped a task on %s", msg.topic)
+
+    def _on_manifest(self, client, release: messages.ModelRelease) -> None:  # noqa: ANN001
+        with self.models_changed:
+            if release.version in self.models or release.version in self.assemblies:
+                return
+            if self.cached and self.cached[0] == release.sha256:  # already have these bytes: no fetch
+                self._ready(release, self.cached[1])
+                return
+            self.assemblies[release.version] = downlink.Assembly(release)
+        client.subscribe(topics.model_chunks(self.fed, release.version), qos=1)
+
+    def _on_chunk(self, client, version: int, index: int, data: bytes) -> None:  # noqa: ANN001
+        with self.models_changed:
+            assembly = self.assemblies.get(version)
+            if assembly is None:
+                return
+            assembly.add(index, data)
+            if not assembly.complete:
+                return
+            del self.assemblies[version]
+        client.unsubscribe(topics.model_chunks(self.fed, version))
+        try:
+            body = assembly.body()  # sha256 verified, or Rejected
+        except Rejected:
+            with self.models_changed:  # fetch again: subscribing delivers the retained chunks anew
+                self.assemblies[version] = downlink.Assembly(assembly.manifest)
+            client.subscribe(topics.model_chunks(self.fed, version), qos=1)
+            raise
+        with self.models_changed:
+            self._ready(assembly.manifest, body)
+
+    def _ready(self, release: messages.ModelRelease, body: bytes) -> None:
+        """Caller holds models_changed."""
+        self.models = {v: m for v, m in self.models.items() if v > release.version - 2}
+        self.models[release.version] = (release, body)
+        self.models_changed.notify_all()
+
+    def _load_cached_model(self) -> tuple[str, bytes] | None:
+        try:
+            body = (Path(self.config.device.state_dir) / MODEL_CACHE).read_bytes()
+        except OSError:
+            return None
+        return hashlib.sha256(body).hexdigest(), body
+
+    def _remember_model(self, release: messages.ModelRelease, body: bytes) -> None:
+        """Keep the newest model's bytes (memory and disk) so a reconnect or restart does not fetch it again."""
+        if self.cached and self.cached[0] == release.sha256:
+            return
+        self.cached = (release.sha256, body)
+        try:
+            Path(self.config.device.state_dir).mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(self.config.device.state_dir) / MODEL_CACHE, body)
+        except OSError as exc:
+            log.warning("cannot cache the model on disk: %s", exc)
 
     # main thread --------------------------------------------------------------------
     def run(self) -> int:
@@ -125,7 +195,7 @@ class Agent:
         log.info("stopped")
         return 0
 
-    def _wait_for_model(self, version: int, deadline: float) -> messages.ModelRelease | None:
+    def _wait_for_model(self, version: int, deadline: float) -> tuple[messages.ModelRelease, bytes] | None:
         with self.models_changed:
             while version not in self.models:
                 remaining = deadline - time.time()
@@ -144,26 +214,39 @@ class Agent:
         return float(speeds[arch])
 
     def _handle(self, task: messages.Task) -> None:
+        try:
+            self._work_on(task)
+        finally:
+            # done with this round, whatever happened: say so, so the coordinator may select us again
+            if int(self.state.data.get("last_round", 0)) < task.round:
+                self.state.data["last_round"] = task.round
+                if not self.stopping.is_set():
+                    self._announce()
+
+    def _work_on(self, task: messages.Task) -> None:
         if time.time() > task.deadline:
             log.warning("round %d: task arrived after its deadline; skipped", task.round)
             return
-        release = self._wait_for_model(task.model_version, task.deadline)
-        if release is None:
+        got = self._wait_for_model(task.model_version, task.deadline)
+        if got is None:
             log.warning("round %d: model version %d never arrived; skipped", task.round, task.model_version)
             return
+        release, body = got
         try:
             algorithm = algorithms.get(task.algorithm)
             model = build_model(release.arch)
-            tensors = codec.decode(release.body, None, MAX_MODEL_VALUES)
+            tensors = downlink.decode_weights(release, body, None, MAX_MODEL_VALUES)
             specs = codec.specs_of(get_weights(model))
             if any(name not in tensors or tensors[name].shape != shape for name, shape in specs.items()):
                 raise Rejected("shape", f"model version {release.version} does not fit architecture {release.arch}")
             set_weights(model, tensors)
             # tensors the server rule released with the model, e.g. FedSMOO's global perturbation
             self.released = {name: a for name, a in tensors.items() if name.startswith(EXTRA_PREFIX)}
+            codec.parse(task.codec)
         except (ValueError, Rejected) as exc:
             log.error("round %d: cannot use task: %s", task.round, exc)
             return
+        self._remember_model(release, body)
         try:
             self._train_and_send(task, release, algorithm, model)
         except Rejected as exc:
@@ -194,18 +277,23 @@ class Agent:
             return
         finally:
             self.busy = False
-            self._announce()
         result.metrics["epochs_reason"] = epochs_reason
         speeds = self.state.data.setdefault("samples_per_s", {})
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
+        ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
+        encoded = codec.encode(result.delta, task.codec, ef.get("residual"))
+        ef["residual"] = encoded.residual
+        if encoded.residual is None:
+            ef.pop("residual")
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
-                                 codec.encode(result.delta, task.codec))
+                                 encoded.body, encoded.codec, encoded.specs, self.fed)
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
         self.state.save()  # once per round: algorithm state, residuals, progress
-        if self.session.publish_until(topics.update(self.fed, self.device), messages.encode("update", update),
-                                      task.deadline):
+        self._announce()  # idle before the update goes out, so the next round can select us at once
+        if self.session.publish_until(topics.update(self.fed, self.device),
+                                      messages.encode_update(update, self.key or b""), task.deadline):
             log.info("round %d: sent update (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
                      result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
                      result.metrics["train_seconds"])

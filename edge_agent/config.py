@@ -13,6 +13,7 @@
     data = "/var/lib/edgefl/data.npz"   # local data: arrays x and y
     state_dir = "/var/lib/edgefl"
     threads = 0                 # torch threads; 0 = cores minus one, at least one
+    signing_key = "<64 hex digits>"     # this device's HMAC-SHA256 key for its updates (from enrollment)
 
 Environment overrides: EDGEFL_AGENT_BROKER_HOST, EDGEFL_AGENT_DEVICE_THREADS, ...
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefl_protocol import topics
+from edgefl_protocol import signing, topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
 
 ENV_PREFIX = "EDGEFL_AGENT"
@@ -55,6 +56,8 @@ class DeviceSettings:
 
     def validate(self) -> None:
         topics.check_name("device", self.id)
+        if self.signing_key:
+            signing.key_from_hex(self.signing_key)
         topics.check_name("federation", self.federation)
         if self.threads < 0:
             raise ValueError(f"threads must be 0 (automatic) or positive, got {self.threads}")

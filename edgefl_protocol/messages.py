@@ -3,10 +3,14 @@
     {"schema": 1, "kind": "task" | "update" | "model" | "status", ...header fields...,
      "body": <bytes or absent>}
 
-Tensors ride in `body` as separately encoded bytes (see `codec`), so a
-signature or a compressor can wrap exactly those bytes later without changing
-the header. `decode_*` functions validate types and ranges and raise
-`Rejected` with a reason; they never trust the sender.
+Tensors ride in `body` as separately encoded bytes (see `codec`), described
+by the header's `codec` and `specs`. An update is signed as a whole (see
+`signing`): `encode_update` wraps the packed map in an HMAC-SHA256 with the
+device's key and `decode_update` checks that tag before unpacking anything.
+The global model travels as a small retained manifest (`model`) plus raw
+chunks on their own retained topics, verified by sha256 after reassembly.
+`decode_*` functions validate types and ranges and raise `Rejected` with a
+reason; they never trust the sender.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from . import SCHEMA_VERSION
+from . import SCHEMA_VERSION, signing
 from .errors import Rejected
 from .topics import check_name
 
@@ -48,15 +52,28 @@ class Update:
     num_samples: int
     metrics: dict[str, Scalar]
     body: bytes  # codec-encoded delta (and any algorithm tensors)
+    codec: str = "float32"
+    specs: list = field(default_factory=list)  # [[name, [dims...]], ...] as codec.Encoded.specs
+    federation: str = ""
 
 
 @dataclass
 class ModelRelease:
-    """One global model version, published once and retained."""
+    """The manifest of one global model version, published once and retained.
+
+    The encoded tensors (`codec`, `specs`) are `size` bytes with digest
+    `sha256`, split into `chunks` raw pieces of at most `chunk_bytes`, each on
+    `topics.model_chunk(fed, version, i)` (retained).
+    """
 
     version: int
     arch: str
-    body: bytes
+    codec: str
+    specs: list
+    size: int
+    sha256: str
+    chunks: int
+    chunk_bytes: int
 
 
 @dataclass
@@ -120,8 +137,17 @@ def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
     )
 
 
-def decode_update(data: bytes, max_bytes: int) -> Update:
-    obj = _unpack(data, "update", max_bytes)
+def encode_update(update: Update, key: bytes) -> bytes:
+    """The update as it goes on the wire: signed with the device's own key."""
+    return signing.sign(encode("update", update), key)
+
+
+def decode_update(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Update:
+    """Size cap, then the signature (with `sender`'s key), and only then the header."""
+    if len(data) > max_bytes:
+        raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
+    payload = signing.verify(data, key, sender)
+    obj = _unpack(payload, "update", max_bytes)
     device = _field(obj, "device", str)
     try:
         check_name("device", device)
@@ -134,6 +160,9 @@ def decode_update(data: bytes, max_bytes: int) -> Update:
         num_samples=_field(obj, "num_samples", int),
         metrics=_scalars(obj, "metrics"),
         body=_field(obj, "body", bytes),
+        codec=_field(obj, "codec", str),
+        specs=_field(obj, "specs", list),
+        federation=_field(obj, "federation", str),
     )
     if update.num_samples <= 0:
         raise Rejected("schema", f"num_samples must be positive, got {update.num_samples}")
@@ -141,12 +170,26 @@ def decode_update(data: bytes, max_bytes: int) -> Update:
 
 
 def decode_model(data: bytes, max_bytes: int) -> ModelRelease:
-    obj = _unpack(data, "model", max_bytes)
-    return ModelRelease(
+    """A model manifest; `max_bytes` caps the declared model size, not just this message."""
+    obj = _unpack(data, "model", 1024 * 1024)
+    release = ModelRelease(
         version=_field(obj, "version", int),
         arch=_field(obj, "arch", str),
-        body=_field(obj, "body", bytes),
+        codec=_field(obj, "codec", str),
+        specs=_field(obj, "specs", list),
+        size=_field(obj, "size", int),
+        sha256=_field(obj, "sha256", str),
+        chunks=_field(obj, "chunks", int),
+        chunk_bytes=_field(obj, "chunk_bytes", int),
     )
+    if not 0 <= release.size <= max_bytes:
+        raise Rejected("oversized", f"model declares {release.size} bytes, the cap is {max_bytes}")
+    if release.chunk_bytes < 1 or release.chunks != max(1, -(-release.size // release.chunk_bytes)):
+        raise Rejected("schema", f"model declares {release.chunks} chunks of {release.chunk_bytes} bytes "
+                                 f"for {release.size} bytes")
+    if len(release.sha256) != 64 or any(c not in "0123456789abcdef" for c in release.sha256):
+        raise Rejected("schema", "model sha256 must be 64 lower-case hex digits")
+    return release
 
 
 def decode_status(data: bytes, max_bytes: int = 65536) -> Status:

@@ -1,6 +1,7 @@
 """MQTT topic names, in one place.
 
-    edgefl/<fed>/model/<version>      retained: the global model of that version
+    edgefl/<fed>/model/<version>      retained: the manifest of that global model version
+    edgefl/<fed>/model/<version>/<i>  retained: its i-th raw chunk (fetched only by devices that need it)
     edgefl/<fed>/device/<id>/task     the device's work for a round
     edgefl/<fed>/device/<id>/update   the device's answer (only it may write)
     edgefl/<fed>/device/<id>/status   retained: online/offline and hardware profile
@@ -35,6 +36,14 @@ def model(fed: str, version: int) -> str:
 
 def models(fed: str) -> str:
     return f"{ROOT}/{fed}/model/+"
+
+
+def model_chunk(fed: str, version: int, index: int) -> str:
+    return f"{ROOT}/{fed}/model/{version}/{index}"
+
+
+def model_chunks(fed: str, version: int) -> str:
+    return f"{ROOT}/{fed}/model/{version}/+"
 
 
 def task(fed: str, device: str) -> str:
@@ -82,3 +91,12 @@ def parse_model_topic(topic: str) -> int | None:
     if len(parts) != 4 or parts[0] != ROOT or parts[2] != "model" or not parts[3].isdigit():
         return None
     return int(parts[3])
+
+
+def parse_model_chunk_topic(topic: str) -> tuple[int, int] | None:
+    """`edgefl/<fed>/model/<version>/<i>` -> (version, i); None for anything else."""
+    parts = topic.split("/")
+    if (len(parts) != 5 or parts[0] != ROOT or parts[2] != "model"
+            or not all(p.isascii() and p.isdigit() for p in parts[3:])):
+        return None
+    return int(parts[3]), int(parts[4])

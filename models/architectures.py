@@ -33,6 +33,21 @@ class MnistCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class MnistMLP(nn.Module):
+    """FC(784,1024)-ReLU-FC(1024,256)-ReLU-FC(256,10). 1,068,810 parameters; input (N, 1, 28, 28).
+
+    The ~1M-parameter model of the codec benchmark (bench/codec.py).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
+                                 nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 class DigitsMLP(nn.Module):
     """FC(64,64)-ReLU-FC(64,10) for scikit-learn's 8x8 digits. 4,810 parameters; input (N, 64)."""
 
@@ -65,6 +80,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "mnist_cnn": Architecture("mnist_cnn", MnistCNN, (1, 28, 28), 10),
+    "mnist_mlp": Architecture("mnist_mlp", MnistMLP, (1, 28, 28), 10),
     "digits_mlp": Architecture("digits_mlp", DigitsMLP, (64,), 10),
     "logreg60": Architecture("logreg60", LogisticRegression, (60,), 10),
 }

@@ -11,20 +11,22 @@ from pathlib import Path
 import numpy as np
 
 from broker_coordinator.broker import PrivateBroker
+from edgefl_protocol import signing
 from edgefl_protocol.settings import to_toml
 from models import datasets, partition
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_agent(tmp: Path, broker: PrivateBroker, federation: str, device: str, data: datasets.Dataset) -> Path:
+def write_agent(tmp: Path, broker: PrivateBroker, federation: str, device: str, data: datasets.Dataset,
+                key: bytes | None = None) -> Path:
     home = tmp / device
     datasets.save_npz(home / "data.npz", data)
     config = home / "agent.toml"
     config.write_text(to_toml({
         "broker": {"host": broker.host, "port": broker.port, "username": device, "password": broker.users[device]},
         "device": {"id": device, "data": str(home / "data.npz"), "state_dir": str(home / "state"),
-                   "federation": federation, "threads": 1},
+                   "federation": federation, "threads": 1, "signing_key": key.hex() if key else None},
     }))
     return config
 
@@ -44,8 +46,9 @@ class Fleet:
         parts = partition.split("iid", data.train.y, len(devices), seed)
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
+        self.keys = {device: signing.new_key() for device in devices}  # update signing keys, one per device
         for device, index in zip(devices, parts):
-            config = write_agent(tmp, broker, federation, device, data.train.subset(index))
+            config = write_agent(tmp, broker, federation, device, data.train.subset(index), self.keys[device])
             self.logs[device] = config.parent / "agent.log"
             self.processes[device] = spawn(["-m", "edge_agent", "run", "--config", str(config)], self.logs[device])
 

@@ -82,8 +82,23 @@ def _coordinator_and_round(tmp_path):
     from broker_coordinator.store import Store
     from models import datasets
 
-    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(), store=Store(tmp_path))
+    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32"), store=Store(tmp_path),
+                    device_keys={d: KEY for d in ("d1", "d2", "d9")})
     return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, StreamingMean(c.specs))
+
+
+KEY = b"unit-test-key-0123456789abcdef01"
+
+
+def _signed(device, metrics, tensors):
+    """A signed float32 update; the body is written by hand so that it may carry NaN."""
+    import msgpack
+
+    from edgefl_protocol import messages
+
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    return messages.encode_update(messages.Update(device, 1, 0, 10, metrics, body, "float32", specs, "u"), KEY)
 
 
 @pytest.mark.parametrize("metrics,body_fn,reason", [
@@ -93,29 +108,23 @@ def _coordinator_and_round(tmp_path):
     ({"steps": 2}, lambda w: {k: v[..., :1] for k, v in w.items()}, "shape"),
 ])
 def test_bad_updates_are_counted_and_never_folded(tmp_path, metrics, body_fn, reason):
-    from edgefl_protocol import codec, messages
-
     c, rnd = _coordinator_and_round(tmp_path)
     zero = {k: np.zeros_like(v) for k, v in c.weights.items()}
-    body = codec.encode(body_fn(zero) if body_fn else zero)
     before = {k: v.copy() for k, v in c.weights.items()}
-    c._on_update(rnd, "d1", messages.encode("update", messages.Update("d1", 1, 0, 10, metrics, body)), time.time())
+    c._on_update(rnd, "d1", _signed("d1", metrics, body_fn(zero) if body_fn else zero), time.time())
     assert c.rejections[reason] == 1 and rnd.aggregate.count == 0 and rnd.rejected[reason] == 1
     assert all(np.array_equal(before[k], c.weights[k]) for k in before)
-    c._on_update(rnd, "d2", messages.encode("update", messages.Update("d2", 1, 0, 10, {"steps": 2}, codec.encode(zero))),
-                 time.time())
+    c._on_update(rnd, "d2", _signed("d2", {"steps": 2}, zero), time.time())
     assert rnd.aggregate.count == 1  # the next good update is still accepted
 
 
 def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
-    from edgefl_protocol import codec, messages
-
     c, rnd = _coordinator_and_round(tmp_path)
-    good = lambda d: messages.encode("update", messages.Update(d, 1, 0, 10, {"steps": 1}, codec.encode(  # noqa: E731
-        {k: np.zeros_like(v) for k, v in c.weights.items()})))
+    good = lambda d: _signed(d, {"steps": 1}, {k: np.zeros_like(v) for k, v in c.weights.items()})  # noqa: E731
     c._on_update(rnd, "d1", good("d1"), time.time())
     c._on_update(rnd, "d1", good("d1"), time.time())
     c._on_update(rnd, "d9", good("d9"), time.time())
     c._on_update(rnd, "d2", good("d1"), time.time())  # d2's topic, d1's claim
-    assert (c.rejections["duplicate"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
+    # the same device and round twice is a replay (it was "duplicate" before updates were signed)
+    assert (c.rejections["replay"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
     assert rnd.aggregate.count == 1

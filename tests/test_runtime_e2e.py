@@ -17,7 +17,7 @@ from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker, free_port
 from broker_coordinator.coordinator import Coordinator, RoundSettings
 from broker_coordinator.rounds import RoundState
 from broker_coordinator.store import Store
-from edgefl_protocol import codec, messages, topics
+from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.settings import to_toml
 from edgefl_protocol.transport import connect, make_client
 from models.architectures import build_model, get_weights
@@ -39,7 +39,7 @@ def fleet_broker(tmp_path):
 
 def make_coordinator(broker, fleet, tmp_path, on_state=None, **settings) -> Coordinator:
     coordinator = Coordinator(FED, "digits_mlp", fleet.test, RoundSettings(local_epochs=1, **settings),
-                              store=Store(tmp_path / "coordinator"), on_state=on_state)
+                              store=Store(tmp_path / "coordinator"), on_state=on_state, device_keys=fleet.keys)
     coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
     return coordinator
 
@@ -66,12 +66,15 @@ def test_killed_agent_round_closes_at_deadline_and_offline_device_is_not_selecte
         assert (third.closed, third.selected) == ("complete", 2)
         assert "dev-0" not in third.devices
 
-        # a late update for round 1 from dev-0's credentials: rejected with its reason
+        # a late update for round 2 (which dev-0 never answered) from dev-0's credentials: rejected with its
+        # reason (a second update for round 1, which dev-0 did answer, would be a replay)
         late = make_client("dev-0-late", "dev-0", fleet_broker.users["dev-0"])
         connect(late, fleet_broker.host, fleet_broker.port)
         zero = {k: np.zeros_like(v) for k, v in get_weights(build_model("digits_mlp")).items()}
-        update = messages.Update("dev-0", 1, 0, 10, {"steps": 1}, codec.encode(zero))
-        late.publish(topics.update(FED, "dev-0"), messages.encode("update", update), qos=1).wait_for_publish(5)
+        encoded = codec.encode(zero, coordinator.settings.codec)
+        update = messages.Update("dev-0", 2, 1, 10, {"steps": 1}, encoded.body, encoded.codec, encoded.specs, FED)
+        late.publish(topics.update(FED, "dev-0"), messages.encode_update(update, fleet.keys["dev-0"]),
+                     qos=1).wait_for_publish(5)
         late.disconnect()
         late.loop_stop()
         with caplog.at_level(logging.WARNING, logger="broker_coordinator"):
@@ -79,7 +82,7 @@ def test_killed_agent_round_closes_at_deadline_and_offline_device_is_not_selecte
             while coordinator.rejections["late"] == 0 and time.monotonic() < give_up:
                 coordinator._drain(0.2)
         assert coordinator.rejections["late"] == 1
-        assert "update from dev-0 rejected: late: round 1 closed at" in caplog.text
+        assert "update from dev-0 rejected: late: round 2 closed at" in caplog.text
     finally:
         coordinator.close()
         fleet.stop()
@@ -120,6 +123,7 @@ def test_coordinator_sigkill_resumes_from_checkpoint(fleet_broker, tmp_path):
         "rounds": {"local_epochs": 1, "min_updates": 2, "round_timeout": 30},
         "storage": {"state_dir": str(state_dir)},
     }))
+    signing.write_key_file(state_dir / "device_keys.toml", fleet.keys)
     run = ["-m", "broker_coordinator", "run", "--config", str(config)]
     try:
         first = spawn(run, tmp_path / "coordinator-1.log")

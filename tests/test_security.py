@@ -193,7 +193,9 @@ def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
     pa, pb = enrolled(server, "dev-a"), enrolled(server, "dev-b")
     registry = Registry(server.config.registry_path)
     test_set = Dataset(np.zeros((8, 60), np.float32), np.zeros(8, np.int64))
-    coordinator = Coordinator(FEDERATION, "logreg60", test_set, RoundSettings(round_timeout=2.0))
+    coordinator = Coordinator(FEDERATION, "logreg60", test_set, RoundSettings(round_timeout=2.0),
+                              device_keys=registry.signing_keys(FEDERATION))
+    keys = registry.signing_keys(FEDERATION)
     coordinator.admission = registry.admission
     coordinator.connect("127.0.0.1", server.port, server.config.broker.username, server.config.broker.password)
     devices = {name: session(server, name, pw) for name, pw in (("dev-a", pa), ("dev-b", pb))}
@@ -202,8 +204,10 @@ def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
     def answer(name: str, recorder: Recorder) -> None:
         def on_task(client, userdata, msg) -> None:  # noqa: ANN001
             task = messages.decode_task(msg.payload)
-            update = messages.Update(name, task.round, task.model_version, 10, {}, codec.encode(zero, "float32"))
-            client.publish(topics.update(FEDERATION, name), messages.encode("update", update), qos=1)
+            encoded = codec.encode(zero, task.codec)
+            update = messages.Update(name, task.round, task.model_version, 10, {}, encoded.body, encoded.codec,
+                                     encoded.specs, FEDERATION)
+            client.publish(topics.update(FEDERATION, name), messages.encode_update(update, keys[name]), qos=1)
         recorder.client.on_message = on_task
         recorder.subscribe(topics.task(FEDERATION, name))
         online = messages.encode("status", messages.Status(name, "online"))

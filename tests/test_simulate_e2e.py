@@ -24,7 +24,8 @@ def test_three_agents_three_rounds_on_digits(tmp_path):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     for r in rounds:
         assert {"round", "accuracy", "loss", "participants", "bytes_up", "seconds"} <= set(r)
-        assert r["participants"] == 3 and r["bytes_up"] > 3 * 4 * 4810
+        # the default codec (top-k 10%, 4-bit) sends far fewer bytes than float32's 4 per parameter
+        assert r["participants"] == 3 and 3 * 0.05 * 4810 < r["bytes_up"] < 3 * 4 * 4810 / 8
     assert rounds[-1]["accuracy"] > MIN_ACCURACY
     assert (out / "accuracy.png").stat().st_size > 1000
 
