@@ -176,8 +176,9 @@ def report(records: list[dict], variants: dict[str, Variant], default: str, out_
                   "| local s / client-round | time vs fedavg | passes vs fedavg | note |", "|---|---|---|---|---|---|---|---|---|"]
         for key, row in sorted(rows.items(), key=lambda kv: -mean(kv[1].final)):
             optimizer = f"sgd+momentum{row.momentum}" if row.momentum else "sgd"
-            schema["settings"][setting][key] = {"final_accuracy": row.final, "local_seconds": row.local_median,
-                                                "optimizer": optimizer}
+            if row.variant not in ABLATION:  # ablation rows live in the markdown and the details file
+                schema["settings"][setting][key] = {"final_accuracy": row.final, "local_seconds": row.local_median,
+                                                    "optimizer": optimizer}
             curve = [mean(c) for c in zip(*row.curves)]
             to90 = rounds_to(curve, 0.9 * best)
             ref = rows.get("fedavg" + ("+momentum" if row.momentum else ""))
