@@ -408,7 +408,8 @@ class Coordinator:
         assert self.session is not None
         for device in sorted(cohort):
             self.session.publish(topics.task(self.fed, device), payload, qos=1)
-            self.pending_until[device] = deadline + s.round_timeout
+            # after the deadline the retained status says whether it is still training (busy)
+            self.pending_until[device] = deadline
             self.pending_round[device] = round_no
         self._set_state(rnd, RoundState.COLLECTING)
         while not rnd.complete and time.time() < deadline and not self.stopping.is_set():

@@ -105,7 +105,8 @@ def test_broker_restart_mid_round_and_training_continues(fleet_broker, tmp_path)
         assert [r.closed != "abandoned" for r in records] == [True] * 4
         assert coordinator.version == 4
         assert coordinator.session.reconnects >= 1
-        assert records[-1].participants == 2  # both agents came back
+        logs = {d: path.read_text()[-1500:] for d, path in fleet.logs.items()}
+        assert records[-1].participants == 2, (coordinator.online, coordinator.pending_until, logs)  # both came back
     finally:
         coordinator.close()
         fleet.stop()
