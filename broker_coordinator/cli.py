@@ -33,6 +33,16 @@ def _partition(text: str) -> str:
     return text
 
 
+def _hparam(text: str) -> tuple[str, float | str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, float(value)
+    except ValueError:
+        return key, value
+
+
 def _codec(text: str) -> str:
     from edgefl_protocol import codec
     try:
@@ -68,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--partition", type=_partition, default=None,
                      help="iid, dirichlet:A, shards:K or natural; default dirichlet:0.3 (natural for synthetic)")
     sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
+    sim.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
+                     help="algorithm hyper-parameter over its defaults (repeatable), e.g. rho=0.1 or sam_every=4")
     sim.add_argument("--clients-per-round", type=_bounded(int, 0), default=0, help="0 = every online agent")
     sim.add_argument("--local-epochs", type=_bounded(int, 0, 1000), default=2,
                      help="local epochs per round; 0 = each agent chooses 3-8 from its measured speed and the deadline")
@@ -121,7 +133,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,
                              selection=args.selection, min_updates=args.min_updates,
-                             normalize_steps=args.normalize_steps, model_codec=args.model_codec)
+                             normalize_steps=args.normalize_steps, model_codec=args.model_codec,
+                             hparams=dict(args.hparam))
     if args.codec:
         settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))

@@ -16,6 +16,7 @@ counted per reason and never touches the global model.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
 import threading
@@ -67,7 +68,11 @@ class RoundSettings:
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
-        algorithms.get(self.algorithm)
+        algorithm = algorithms.get(self.algorithm)
+        unknown = sorted(set(self.hparams) - set(algorithm.defaults))
+        if unknown:
+            raise ValueError(f"{self.algorithm} has no hyper-parameter {', '.join(unknown)}; "
+                             f"it takes {', '.join(sorted(algorithm.defaults)) or 'none'}")
         checks = [
             (self.clients_per_round >= 0, "clients_per_round must be >= 0 (0 = all eligible devices)"),
             (self.selection in POLICIES, f"selection must be one of {', '.join(POLICIES)}"),
@@ -136,12 +141,15 @@ class Coordinator:
         self.model = build_model(arch, seed)
         self.weights = get_weights(self.model)
         self.specs = codec.specs_of(self.weights)
-        self.max_values = sum(a.size for a in self.weights.values())
-        self.max_update_bytes = 4 * self.max_values + 64 * 1024
         self.version = 0
         self.next_round = 1
         self.algorithm = algorithms.get(settings.algorithm)
         self.server_rule = self.algorithm.server(settings.task_hparams(1))
+        # tensors an algorithm sends beside the delta (FedSMOO's mu), averaged uniformly per round
+        self.extra_specs = self.server_rule.extra_specs(self.specs)
+        self.extras: StreamingMean | None = None
+        self.max_values = sum(math.prod(shape) for shape in {**self.specs, **self.extra_specs}.values())
+        self.max_update_bytes = 4 * self.max_values + 64 * 1024
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
@@ -259,7 +267,10 @@ class Coordinator:
             return
         assert current is not None
         weight, steps = self._weight_and_steps(update)
-        current.aggregate.add(delta, weight, steps)
+        current.aggregate.add({name: delta[name] for name in self.specs}, weight, steps)
+        if self.extras is not None:
+            self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
+        self.server_rule.observe(device, update.num_samples, update.metrics)
         current.answered.add(device)
         self.accepted.add((device, current.number))
         current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples)
@@ -314,9 +325,10 @@ class Coordinator:
                                     f"round {current.number} distributed version {current.base_version}")
         if update.codec != codec.parse(self.settings.codec).name:
             raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
-        delta = codec.decode(update.codec, update.specs, update.body, self.specs, self.max_values)
+        delta = codec.decode(update.codec, update.specs, update.body, {**self.specs, **self.extra_specs},
+                             self.max_values)
         bound = self.settings.max_update_norm
-        if bound and (norm := _norm(delta)) > bound:
+        if bound and (norm := _norm({name: delta[name] for name in self.specs})) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
         return update, delta
 
@@ -349,7 +361,8 @@ class Coordinator:
         assert self.session is not None
         if self._published and self._published[0] == self.version:
             return
-        manifest, chunks = downlink.release(self.version, self.arch, self.weights, self.settings.model_codec,
+        tensors = {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
+        manifest, chunks = downlink.release(self.version, self.arch, tensors, self.settings.model_codec,
                                             self.settings.model_chunk_bytes)
         self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
         self._model_payloads.append((topics.model(self.fed, self.version), messages.encode("model", manifest)))
@@ -378,6 +391,8 @@ class Coordinator:
         eligible = self.eligible()
         k = len(eligible) if s.clients_per_round == 0 else s.clients_per_round
         cohort = set(select(s.selection, eligible, k, self.rng, self.last_metrics))
+        self.server_rule.start_round(round_no, len(self.online))
+        self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
         rnd = Round(round_no, attempt, cohort, deadline, self.version,
                     StreamingMean(self.specs, normalize_steps=s.normalize_steps))
         if self.on_state:
@@ -430,7 +445,8 @@ class Coordinator:
                 raise RoundFailed(f"round {round_no} found no quorum in {attempt} attempts: {rnd.reason}")
         self.closed_at[round_no] = time.time()
 
-        self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean())
+        self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
+                                                   self.extras.mean() if self.extras is not None else None)
         self.version += 1
         set_weights(self.model, self.weights)
         self._set_state(rnd, RoundState.AGGREGATED)

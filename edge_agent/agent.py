@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
+from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from models.architectures import ARCHITECTURES, build_model, get_weights, set_weights
@@ -80,6 +81,7 @@ class Agent:
             log.error("no signing_key in [device]: the coordinator will reject every update from %s", self.device)
         self.stopping = threading.Event()
         self.busy = False
+        self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
         threads = config.device.threads or max(1, (os.cpu_count() or 2) - 1)
@@ -233,8 +235,13 @@ class Agent:
         try:
             algorithm = algorithms.get(task.algorithm)
             model = build_model(release.arch)
-            set_weights(model, downlink.decode_weights(release, body, codec.specs_of(get_weights(model)),
-                                                       MAX_MODEL_VALUES))
+            tensors = downlink.decode_weights(release, body, None, MAX_MODEL_VALUES)
+            specs = codec.specs_of(get_weights(model))
+            if any(name not in tensors or tensors[name].shape != shape for name, shape in specs.items()):
+                raise Rejected("shape", f"model version {release.version} does not fit architecture {release.arch}")
+            set_weights(model, tensors)
+            # tensors the server rule released with the model, e.g. FedSMOO's global perturbation
+            self.released = {name: a for name, a in tensors.items() if name.startswith(EXTRA_PREFIX)}
             codec.parse(task.codec)
         except (ValueError, Rejected) as exc:
             log.error("round %d: cannot use task: %s", task.round, exc)
@@ -259,7 +266,7 @@ class Agent:
                                passes_per_step=float(hp.get("passes_per_step", 1.0)))
             epochs, epochs_reason = plan.epochs, plan.reason
         settings.epochs = epochs
-        rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name))
+        rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name), self.released)
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         self.busy = True
         self._announce()

@@ -1,12 +1,16 @@
 """The local training loop. One loop for every algorithm; read it top to bottom.
 
-The algorithm's client rule decides how gradients are computed for a batch
-(SAM-family rules do their extra pass inside `compute_gradients`) and what is
-added to them before the optimizer sees them (`adjust_gradients`).
+Per mini-batch there are at most two forward-backward passes, both visible
+below: pass 1 at theta (every algorithm; SAM's ascent gradient), pass 2 at
+theta + eps (SAM family only). The algorithm's client rule says whether pass 1
+happens this step (CPU-sized SAM reuses an earlier eps), what eps is, and what
+to add to the gradient before clipping and the optimizer (proximal pulls,
+duals, DR-SAM's folded consistency term).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +21,9 @@ from torch import nn
 
 from edgefl_protocol.algorithms.base import ClientRule, Scalar
 from models.architectures import get_weights
+from models.datasets import Dataset
 
 from .optim import LocalSGD
-from models.datasets import Dataset
 
 
 class Stopped(Exception):
@@ -38,9 +42,17 @@ class LocalSettings:
 
 @dataclass
 class LocalResult:
-    delta: dict[str, np.ndarray]  # theta_local - theta_global
+    delta: dict[str, np.ndarray]  # theta_local - theta_global, plus the rule's "extra.*" tensors
     num_samples: int
     metrics: dict[str, Scalar]
+
+
+def forward_backward(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> float:
+    for p in model.parameters():
+        p.grad = None
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return float(loss.detach())
 
 
 def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: LocalSettings,
@@ -53,31 +65,50 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
     loss_fn = nn.CrossEntropyLoss()
     x_all, y_all = torch.from_numpy(data.x), torch.from_numpy(data.y)
     generator = torch.Generator().manual_seed(seed)
-    rule.begin(model, global_params)
+    epochs = rule.local_epochs(settings.epochs)
+    steps_per_epoch = math.ceil(len(y_all) / settings.batch_size)
+    rule.begin(model, global_params, epochs * steps_per_epoch, len(y_all))
 
     model.train()
-    steps, loss_sum = 0, 0.0
-    for _epoch in range(settings.epochs):
+    step, loss_sum, passes = 0, 0.0, 0
+    for _epoch in range(epochs):
         order = torch.randperm(len(y_all), generator=generator)
         for start in range(0, len(order), settings.batch_size):
             if should_stop and should_stop():
                 raise Stopped()
             batch = order[start:start + settings.batch_size]
-            optimizer.zero_grad()
-            loss_sum += rule.compute_gradients(model, loss_fn, x_all[batch], y_all[batch])
-            rule.adjust_gradients(params)
+            x, y = x_all[batch], y_all[batch]
+            loss = None
+            if rule.wants_clean_gradient(step):           # pass 1: gradient at theta
+                loss = forward_backward(model, loss_fn, x, y)
+                passes += 1
+            eps = rule.perturbation(step, params, loss)   # SAM family: the ascent step (fresh or reused)
+            if eps is not None:                           # pass 2: gradient at theta + eps, then restore
+                with torch.no_grad():
+                    torch._foreach_add_(params, eps)
+                loss_perturbed = forward_backward(model, loss_fn, x, y)
+                passes += 1
+                with torch.no_grad():
+                    torch._foreach_sub_(params, eps)
+                rule.observe_perturbed(step, loss, loss_perturbed)
+                loss = loss_perturbed if loss is None else loss
+            rule.adjust_gradients(step, params)           # regularizers and duals, before clipping
             if settings.grad_clip > 0:
                 nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
-            steps += 1
+            loss_sum += loss
+            step += 1
 
     end_weights = get_weights(model)
     metrics: dict[str, Scalar] = {
-        "train_loss": loss_sum / max(steps, 1),
-        "epochs": settings.epochs,
-        "steps": steps,
+        "train_loss": loss_sum / max(step, 1),
+        "epochs": epochs,
+        "steps": step,
+        "passes": passes,
         "train_seconds": time.perf_counter() - started,
     }
-    metrics.update(rule.end(model))
+    metrics.update(rule.end(params))
     delta = {name: end_weights[name] - start_weights[name] for name in start_weights}
+    delta.update(rule.extra_tensors())
+    metrics["train_seconds"] = time.perf_counter() - started
     return LocalResult(delta, len(y_all), metrics)

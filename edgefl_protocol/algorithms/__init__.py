@@ -1,11 +1,15 @@
-"""Federated algorithms: one module each, client rule and server rule together."""
+"""Federated algorithms: one module each, client rule and server rule together.
+
+Every module defines NAME, DEFAULT_HPARAMS, `Client` (a ClientRule) and
+`Server` (a ServerRule); `docs/ALGORITHMS.md` compares them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import fedavg
+from . import drsam, dynsam, fedavg, feddyn, fedprox, fedsam, fedsmoo
 from .base import ClientRule, ServerRule
 
 
@@ -14,12 +18,13 @@ class Algorithm:
     name: str
     client: type[ClientRule]
     server: type[ServerRule]
-    defaults: dict[str, float]
+    defaults: dict[str, float | str]
     module: ModuleType
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    m.NAME: Algorithm(m.NAME, m.FedAvgClient, m.FedAvgServer, m.DEFAULT_HPARAMS, m) for m in (fedavg,)
+    m.NAME: Algorithm(m.NAME, m.Client, m.Server, m.DEFAULT_HPARAMS, m)
+    for m in (fedavg, fedprox, fedsam, feddyn, fedsmoo, drsam, dynsam)
 }
 DEFAULT_ALGORITHM = "fedavg"
 

@@ -1,22 +1,35 @@
 """The small interface through which every algorithm plugs into the one local
-training loop (`edge_agent.training`) and the one aggregator
-(`broker_coordinator.aggregation`).
+training loop (`edge_agent.training.train_locally`) and the one aggregator
+(`broker_coordinator.aggregation.StreamingMean`).
 
 Client side, per round, in the order the loop calls them:
-    begin(model, global_params)     remember what the round started from
-    compute_gradients(...)          fill p.grad for one mini-batch, return the loss
-    adjust_gradients(params)        add the algorithm's terms to p.grad (before clipping)
-    end(model) -> metrics           scalars reported with the update
+    local_epochs(E) -> E'                 an algorithm may shorten the round (DR-SAM's tau rule)
+    begin(model, global, steps, n)     remember what the round started from
+    per mini-batch, at step s:
+        wants_clean_gradient(s)           pass 1 at theta? (False only for CPU-sized SAM reuse steps)
+        perturbation(s, params, loss)     after pass 1: SAM's eps, or None for plain descent
+        observe_perturbed(s, loss, loss_eps)   after pass 2 at theta + eps (SAM family)
+        adjust_gradients(s, params)       add the algorithm's terms to p.grad (before clipping)
+    end(params) -> metrics                scalars reported with the update
+    extra_tensors() -> {name: array}      tensors sent beside the delta ("extra.<name>")
 
 Server side, per round:
-    weight(num_samples, metrics)    how much one update counts in the average
-    new_global(global, mean_delta)  the server rule applied to the weighted mean delta
-    broadcast()                     scalars sent with the next round's tasks
+    start_round(round_no, population)     population = devices that could have been asked
+    weight(num_samples, metrics)          how much one delta counts in the weighted mean
+    observe(device, num_samples, metrics) every accepted update, for server state (signals)
+    new_global(global, mean_delta, mean_extras)  the server rule; extras are averaged uniformly
+    broadcast() / broadcast_tensors()     scalars sent with the tasks / tensors sent with the model
+    state() / load_state(state)           the server's aggregate, checkpointed after every round
+
+Algorithm state that must survive restarts lives in `self.state` on the
+client (a DeviceState section, saved by the agent once per round) and in the
+ServerRule object on the coordinator (one aggregate, never one copy per client).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,44 +37,108 @@ import torch
 
 Scalar = int | float | str | bool
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Tensors = list[torch.Tensor]
+EXTRA_PREFIX = "extra."
+
+
+# --- small vector helpers over lists of tensors (one entry per parameter) -------------
+def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return float(sum(torch.sum(x * y) for x, y in zip(a, b)))
+
+
+def norm(a: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.sum(x * x)) for x in a))
+
+
+def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], b_norm: float | None = None) -> float:
+    denominator = norm(a) * (norm(b) if b_norm is None else b_norm)
+    return dot(a, b) / denominator if denominator > 0 else 0.0
+
+
+def grads_of(params: Sequence[torch.Tensor]) -> Tensors:
+    return [p.grad.detach().clone() for p in params]
+
+
+def to_numpy(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    return [t.detach().numpy().copy() for t in tensors]
+
+
+def from_numpy(arrays: Sequence[np.ndarray]) -> Tensors:
+    return [torch.from_numpy(np.asarray(a, dtype=np.float32).copy()) for a in arrays]
+
+
+def hp(hparams: Mapping[str, Scalar], defaults: Mapping[str, Scalar], name: str) -> float:
+    return float(hparams.get(name, defaults[name]))
 
 
 class ClientRule:
     """Plain local SGD: one forward-backward per mini-batch, nothing added."""
 
-    def __init__(self, hparams: Mapping[str, Scalar], broadcast: Mapping[str, Scalar], state: dict[str, Any]):
+    def __init__(self, hparams: Mapping[str, Scalar], broadcast: Mapping[str, Scalar], state: dict[str, Any],
+                 tensors: Mapping[str, np.ndarray] | None = None):
         self.hparams = dict(hparams)
         self.broadcast = dict(broadcast)
         self.state = state  # persisted by the agent between rounds and restarts
+        self.tensors = dict(tensors or {})  # broadcast tensors, e.g. FedSMOO's global perturbation
 
-    def begin(self, model: torch.nn.Module, global_params: list[torch.Tensor]) -> None:
+    def local_epochs(self, epochs: int) -> int:
+        return epochs
+
+    def begin(self, model: torch.nn.Module, global_params: Tensors, total_steps: int, num_samples: int) -> None:
         self.global_params = global_params
+        self.total_steps = total_steps
+        self.num_samples = num_samples
 
-    def compute_gradients(self, model: torch.nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        return float(loss.detach())
+    def wants_clean_gradient(self, step: int) -> bool:
+        return True
 
-    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
+    def perturbation(self, step: int, params: Tensors, loss: float | None) -> Tensors | None:
+        return None
+
+    def observe_perturbed(self, step: int, loss: float | None, loss_perturbed: float) -> None:
         pass
 
-    def end(self, model: torch.nn.Module) -> dict[str, Scalar]:
+    def adjust_gradients(self, step: int, params: Tensors) -> None:
+        pass
+
+    def end(self, params: Tensors) -> dict[str, Scalar]:
+        return {}
+
+    def extra_tensors(self) -> dict[str, np.ndarray]:
         return {}
 
 
 class ServerRule:
-    """Weighted mean of client deltas added to the global model."""
+    """Size-weighted mean of client deltas added to the global model (FedAvg)."""
 
     def __init__(self, hparams: Mapping[str, Scalar]):
         self.hparams = dict(hparams)
+        self.round = 0
+        self.population = 0
+
+    def start_round(self, round_no: int, population: int) -> None:
+        self.round, self.population = round_no, population
 
     def weight(self, num_samples: int, metrics: Mapping[str, Scalar]) -> float:
-        return float(num_samples)
+        """n_k (default), or 1 with hparam weighting = "uniform" (the FedDyn / FedSMOO papers' mean)."""
+        return 1.0 if self.hparams.get("weighting", "size") == "uniform" else float(num_samples)
 
-    def new_global(self, global_params: Mapping[str, np.ndarray], mean_delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def observe(self, device: str, num_samples: int, metrics: Mapping[str, Scalar]) -> None:
+        pass
+
+    def extra_specs(self, model_specs: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Shapes of the extra tensors each client sends beside its delta (names start with `extra.`)."""
+        return {}
+
+    def new_global(self, global_params: Mapping[str, np.ndarray], mean_delta: Mapping[str, np.ndarray],
+                   mean_extras: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         return {name: global_params[name] + mean_delta[name] for name in global_params}
 
     def broadcast(self) -> dict[str, Scalar]:
+        return {}
+
+    def broadcast_tensors(self) -> dict[str, np.ndarray]:
+        """Tensors released with the model (names start with `extra.`)."""
         return {}
 
     def state(self) -> dict[str, Any]:

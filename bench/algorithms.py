@@ -1,0 +1,288 @@
+"""Algorithm benchmark (a benchmark, not a test): every algorithm on the same
+partition, model, local epochs, batch, learning rate and seeds, with plain SGD
+and with SGD + momentum 0.9, in process (bench/fedsim.py).
+
+    python -m bench.algorithms                 # headline + other settings + ablation (hours on 2 cores)
+    python -m bench.algorithms --quick         # a smoke version, under 3 minutes
+    python -m bench.algorithms --report        # rebuild json/markdown/plots from cached runs
+    python -m bench.algorithms --validation    # the design/tuning runs, on a validation split
+    python -m bench.algorithms --check-mqtt    # in-process vs `broker-coordinator simulate`
+
+Each run is cached in bench/results/algorithms_runs/ (resumable); the report
+writes bench/results/algorithms.json (schema of issue 3), algorithms.md,
+algorithms_details.json and algorithms_<setting>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgefl_protocol import algorithms
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "algorithms_runs"
+MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: an algorithm with hyper-parameter overrides."""
+
+    name: str
+    algorithm: str
+    hparams: tuple[tuple[str, float | str], ...] = ()
+    note: str = ""
+
+
+BASELINES = [
+    Variant("fedavg", "fedavg", note="size-weighted"),
+    Variant("fedprox", "fedprox"),
+    Variant("fedsam", "fedsam", note="full SAM"),
+    Variant("feddyn", "feddyn"),
+    Variant("fedsmoo", "fedsmoo", note="full SAM"),
+    Variant("drsam", "drsam", note="faithful to DRSAM.md, full SAM"),
+]
+DEFAULT = Variant("dynsam", "dynsam", note="CPU-sized (sam_every=4)")
+CPU_SIZED = [  # every SAM-family algorithm in its CPU-sized mode (ascent reused, refreshed every 4th step)
+    Variant("fedsam-cpu", "fedsam", (("sam_every", 4),), "CPU-sized (sam_every=4)"),
+    Variant("fedsmoo-cpu", "fedsmoo", (("sam_every", 4),), "CPU-sized (sam_every=4)"),
+    Variant("drsam-cpu", "drsam", (("sam_every", 4),), "CPU-sized (sam_every=4)"),
+]
+ABLATION = [
+    Variant("dynsam-full", "dynsam", (("sam_every", 1),), "full SAM instead of CPU-sized"),
+    Variant("dynsam-no_adapt", "dynsam", (("adapt_rho", 0), ("adapt_alpha", 0)), "no signals: fixed rho, alpha"),
+    Variant("dynsam-no_sam", "dynsam", (("sam", 0),), "no SAM"),
+    Variant("dynsam-no_dual", "dynsam", (("dual", 0),), "no dual (no drift correction)"),
+]
+
+
+@dataclass(frozen=True)
+class Job:
+    setting: str
+    variant: Variant
+    momentum: float
+    seed: int
+    split: str = "test"       # "test" or "validation"
+    rounds: int | None = None
+
+    @property
+    def key(self) -> str:
+        return self.variant.name + ("+momentum" if self.momentum else "")
+
+    @property
+    def path(self) -> Path:
+        split = f"{self.split}_r{self.rounds}" if self.rounds else self.split
+        return RUNS / split / self.setting / f"{self.key}_s{self.seed}.json"
+
+
+def run_job(job: Job) -> dict:
+    from broker_coordinator.coordinator import RoundSettings
+
+    from . import fedsim, settings
+
+    if job.path.exists():
+        return json.loads(job.path.read_text())
+    fedsim.set_threads(1)
+    fed = settings.SETTINGS[job.setting]()
+    if job.rounds:
+        fed.rounds = job.rounds
+    if job.split == "validation":
+        fed.clients, fed.test = fedsim.split_validation(fed.clients)
+    rs = RoundSettings(algorithm=job.variant.algorithm, clients_per_round=fed.clients_per_round,
+                       momentum=job.momentum, hparams=dict(job.variant.hparams))
+    started = time.time()
+    result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True)
+    record = {"setting": job.setting, "variant": job.variant.name, "algorithm": job.variant.algorithm,
+              "hparams": dict(job.variant.hparams), "momentum": job.momentum, "seed": job.seed, "split": job.split,
+              "accuracy": result.accuracy, "loss": result.loss, "local_seconds": result.local_seconds,
+              "signals": result.signals, "wall_seconds": time.time() - started}
+    job.path.parent.mkdir(parents=True, exist_ok=True)
+    job.path.write_text(json.dumps(record))
+    print(f"done {job.split}/{job.setting}/{job.key} seed {job.seed}: {100 * result.accuracy[-1]:.2f}% "
+          f"({record['wall_seconds']:.0f} s)", flush=True)
+    return record
+
+
+def run_all(jobs: list[Job], workers: int) -> list[dict]:
+    todo = [j for j in jobs if not j.path.exists()]
+    print(f"{len(jobs)} runs, {len(todo)} to do, {workers} worker(s)", flush=True)
+    if workers > 1 and len(todo) > 1:
+        with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=4) as pool:
+            list(pool.imap_unordered(run_job, todo))
+    else:
+        for job in todo:
+            run_job(job)
+    return [run_job(j) for j in jobs]
+
+
+# --- the report -----------------------------------------------------------------------
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+@dataclass
+class Row:
+    key: str
+    variant: Variant
+    momentum: float
+    final: list[float] = field(default_factory=list)
+    curves: list[list[float]] = field(default_factory=list)
+    local_median: list[float] = field(default_factory=list)
+    passes: list[float] = field(default_factory=list)  # forward-backward passes per client-round
+
+
+def summarize(records: list[dict], variants: dict[str, Variant]) -> dict[str, dict[str, Row]]:
+    table: dict[str, dict[str, Row]] = {}
+    for r in records:
+        key = r["variant"] + ("+momentum" if r["momentum"] else "")
+        row = table.setdefault(r["setting"], {}).setdefault(key, Row(key, variants[r["variant"]], r["momentum"]))
+        row.final.append(r["accuracy"][-1])
+        row.curves.append(r["accuracy"])
+        row.local_median.append(statistics.median(r["local_seconds"]))
+        row.passes.append(mean([m["passes"] for rnd in r["signals"] for m in rnd.values()]))
+    return table
+
+
+def rounds_to(curve: list[float], target: float) -> int | None:
+    return next((i + 1 for i, a in enumerate(curve) if a >= target), None)
+
+
+def report(records: list[dict], variants: dict[str, Variant], default: str, out_prefix: str = "algorithms") -> None:
+    table = summarize(records, variants)
+    schema = {"default_algorithm": default, "settings": {}}
+    details: dict = {"settings": {}}
+    lines = [f"# Algorithm benchmark ({out_prefix})", "",
+             "Final test accuracy after the last round, mean +- std over seeds (in process, bench/fedsim.py); "
+             "rounds to 90% of the best final accuracy in the setting (on the seed-mean curve); median local "
+             "training seconds per client-round (1 thread per run, several runs and other users' jobs sharing 2 cores, so "
+             "seconds are noisy; 'passes' counts forward-backward passes per client-round, the deterministic cost). "
+             "Time and passes are relative to fedavg with the same optimizer.", ""]
+    for setting, rows in table.items():
+        best = max(mean(r.final) for r in rows.values())
+        schema["settings"][setting] = {}
+        details["settings"][setting] = {}
+        lines += [f"## {setting}", "", "| algorithm | optimizer | final accuracy (%) | seeds | rounds to 90% of best "
+                  "| local s / client-round | time vs fedavg | passes vs fedavg | note |", "|---|---|---|---|---|---|---|---|---|"]
+        for key, row in sorted(rows.items(), key=lambda kv: -mean(kv[1].final)):
+            optimizer = f"sgd+momentum{row.momentum}" if row.momentum else "sgd"
+            if row.variant not in ABLATION:  # ablation rows live in the markdown and the details file
+                schema["settings"][setting][key] = {"final_accuracy": row.final, "local_seconds": row.local_median,
+                                                    "optimizer": optimizer}
+            curve = [mean(c) for c in zip(*row.curves)]
+            to90 = rounds_to(curve, 0.9 * best)
+            ref = rows.get("fedavg" + ("+momentum" if row.momentum else ""))
+            ratio = mean(row.local_median) / mean(ref.local_median) if ref else float("nan")
+            pass_ratio = mean(row.passes) / mean(ref.passes) if ref else float("nan")
+            details["settings"][setting][key] = {
+                "variant": row.variant.name, "algorithm": row.variant.algorithm, "hparams": dict(row.variant.hparams),
+                "optimizer": optimizer, "final_mean": mean(row.final), "final_std": std(row.final),
+                "rounds_to_90pct_of_best": to90, "local_seconds_median": statistics.median(row.local_median),
+                "local_time_vs_fedavg": ratio, "passes_vs_fedavg": pass_ratio, "mean_curve": curve,
+                "note": row.variant.note}
+            lines.append(f"| {key} | {optimizer} | {100 * mean(row.final):.2f} +- {100 * std(row.final):.2f} | "
+                         f"{len(row.final)} | {to90 if to90 else '-'} | {statistics.median(row.local_median):.3f} | "
+                         f"{ratio:.2f}x | {pass_ratio:.2f}x | {row.variant.note} |")
+        lines.append("")
+        plot(setting, rows, RESULTS / f"{out_prefix}_{setting}.png")
+        lines += [f"![accuracy per round]({out_prefix}_{setting}.png)", ""]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{out_prefix}.json").write_text(json.dumps(schema, indent=1) + "\n")
+    (RESULTS / f"{out_prefix}_details.json").write_text(json.dumps(details, indent=1) + "\n")
+    (RESULTS / f"{out_prefix}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plot(setting: str, rows: dict[str, Row], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, momentum in zip(axes, (False, True)):
+        for key, row in sorted(rows.items()):
+            if bool(row.momentum) != momentum:
+                continue
+            curve = [100 * mean(c) for c in zip(*row.curves)]
+            ax.plot(range(1, len(curve) + 1), curve, label=f"{key} ({100 * mean(row.final):.1f})",
+                    linewidth=2.2 if key.startswith("dynsam") else 1.2)
+        ax.set_title(f"{setting}, {'SGD + momentum 0.9' if momentum else 'plain SGD'}")
+        ax.set_xlabel("round")
+        ax.set_ylim(60, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("test accuracy (%), mean over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import settings
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="headline setting, 5 rounds, 1 seed, momentum only")
+    p.add_argument("--report", action="store_true", help="only rebuild the report from cached runs")
+    p.add_argument("--validation", action="store_true", help="design/tuning runs on a validation split")
+    p.add_argument("--check-mqtt", action="store_true", help="compare in-process with a run over MQTT")
+    p.add_argument("--seeds", type=int, default=3, help="seeds for the headline setting")
+    p.add_argument("--other-seeds", type=int, default=3, help="seeds for the other settings")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated parts: headline,cpu,ablation,other")
+    args = p.parse_args(argv)
+
+    if args.check_mqtt:
+        from .mqtt_check import main as check
+        return check()
+    every = BASELINES + [DEFAULT] + CPU_SIZED + ABLATION
+    variants = {v.name: v for v in every}
+    if args.validation:
+        from .tuning import validation_jobs
+        jobs = validation_jobs()
+        if not args.report:
+            run_all(jobs, args.workers)
+        records = [json.loads(j.path.read_text()) for j in jobs if j.path.exists()]
+        records = [r for r in records if "accuracy" in r]
+        report(records, {**variants, **{r["variant"]: Variant(r["variant"], r["algorithm"], tuple(r["hparams"].items()))
+                                        for r in records}}, algorithms.DEFAULT_ALGORITHM, "algorithms_validation")
+        return 0
+    if args.quick:
+        jobs = [Job(settings.HEADLINE, v, MOMENTUM, 1, split="quick", rounds=5) for v in BASELINES + [DEFAULT]]
+        for job in jobs:  # always a fresh measurement
+            job.path.unlink(missing_ok=True)
+        records = run_all(jobs, args.workers)
+        report(records, variants, algorithms.DEFAULT_ALGORITHM, "algorithms_quick")
+        return 0
+    parts = set(args.only.split(",")) if args.only else {"headline", "cpu", "ablation", "other"}
+    jobs: list[Job] = []
+    seeds = range(1, args.seeds + 1)
+    if "headline" in parts:
+        jobs += [Job(settings.HEADLINE, v, m, s) for s in seeds for m in (MOMENTUM, 0.0) for v in BASELINES + [DEFAULT]]
+    if "cpu" in parts:
+        jobs += [Job(settings.HEADLINE, v, MOMENTUM, s) for s in seeds for v in CPU_SIZED]
+    if "ablation" in parts:
+        jobs += [Job(settings.HEADLINE, v, MOMENTUM, s) for s in seeds for v in ABLATION]
+    if "other" in parts:
+        for setting in (settings.SYNTHETIC, settings.DIRICHLET05):
+            jobs += [Job(setting, v, m, s) for s in range(1, args.other_seeds + 1) for m in (MOMENTUM, 0.0)
+                     for v in BASELINES + [DEFAULT]]
+    if not args.report:
+        run_all(jobs, args.workers)
+    records = [json.loads(path.read_text()) for path in sorted((RUNS / "test").glob("*/*.json"))]
+    records = [r for r in records if "accuracy" in r and r["variant"] in variants]
+    report(records, variants, algorithms.DEFAULT_ALGORITHM)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

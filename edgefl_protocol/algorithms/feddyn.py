@@ -1,0 +1,94 @@
+"""FedDyn (Acar et al., ICLR 2021, "Federated Learning Based on Dynamic
+Regularization"), in the form of the FedSMOO paper's code (FL-Simulator).
+
+Each client k keeps its own dual h_k (on the device, in its state): the sum of
+its past local updates. The server keeps one aggregate H = (1/m) sum_k h_k over
+all m clients, never one copy per client.
+
+Client:  per mini-batch   g <- grad L_k(theta) + alpha * (theta - theta_t + h_k)
+         after the round  h_k <- h_k + (theta_k - theta_t)
+         (Acar's dual is -alpha * h_k: the local objective is
+          L_k(theta) - <grad L_k(theta_k^{t-1}), theta> + alpha/2 ||theta - theta_t||^2)
+Server:  H <- H + (|P|/m) * mean_{k in P}(theta_k - theta_t)
+         theta_{t+1} = theta_t + mean_{k in P}(theta_k - theta_t) + H
+
+Parameters: alpha = 0.1 (the paper code's `lamb`), weighting = "uniform" (the
+paper's mean; "size" weights the mean by n_k and H's increment alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .base import ClientRule, Scalar, ServerRule, Tensors, from_numpy, hp, to_numpy
+
+NAME = "feddyn"
+DEFAULT_HPARAMS: dict[str, float | str] = {"alpha": 0.1, "weighting": "uniform"}
+
+
+class DualState:
+    """The client's FedDyn dual h_k, loaded from and stored into the device state."""
+
+    def load_dual(self, params: Tensors) -> None:
+        stored = self.state.get("h")
+        self.dual = from_numpy(stored) if stored is not None else [torch.zeros_like(p) for p in params]
+
+    def add_dual_correction(self, params: Tensors, alpha: float) -> None:
+        with torch.no_grad():
+            for p, g, h in zip(params, self.global_params, self.dual):
+                p.grad.add_(p - g + h, alpha=alpha)
+
+    def store_dual(self, params: Tensors) -> None:
+        with torch.no_grad():
+            self.state["h"] = to_numpy([h + p - g for h, p, g in zip(self.dual, params, self.global_params)])
+
+
+class Client(DualState, ClientRule):
+    def begin(self, model, global_params: Tensors, total_steps: int, num_samples: int) -> None:
+        super().begin(model, global_params, total_steps, num_samples)
+        self.load_dual(global_params)
+
+    def adjust_gradients(self, step: int, params: Tensors) -> None:
+        self.add_dual_correction(params, hp(self.hparams, DEFAULT_HPARAMS, "alpha"))
+
+    def end(self, params: Tensors) -> dict[str, Scalar]:
+        self.store_dual(params)
+        return {}
+
+
+class DualServer(ServerRule):
+    """theta_{t+1} = theta_t + mean delta + H, with H the population mean of the client duals."""
+
+    def __init__(self, hparams: Mapping[str, Scalar]):
+        super().__init__({**DEFAULT_HPARAMS, **hparams})
+        self.H: dict[str, np.ndarray] | None = None
+
+    def new_global(self, global_params, mean_delta, mean_extras=None) -> dict[str, np.ndarray]:
+        if self.H is None:
+            self.H = {name: np.zeros_like(a, dtype=np.float64) for name, a in global_params.items()}
+        share = self.cohort_size / max(self.population, self.cohort_size, 1)
+        for name in self.H:
+            self.H[name] += share * mean_delta[name]
+        return {name: (global_params[name] + mean_delta[name] + self.H[name]).astype(np.float32)
+                for name in global_params}
+
+    def state(self) -> dict:
+        return {"H": self.H} if self.H is not None else {}
+
+    def load_state(self, state) -> None:
+        if "H" in state:
+            self.H = {name: np.asarray(a, dtype=np.float64) for name, a in state["H"].items()}
+
+    def start_round(self, round_no: int, population: int) -> None:
+        super().start_round(round_no, population)
+        self.cohort_size = 0
+
+    def observe(self, device: str, num_samples: int, metrics: Mapping[str, Scalar]) -> None:
+        self.cohort_size += 1
+
+
+class Server(DualServer):
+    pass
