@@ -230,7 +230,7 @@ def write_table(path: Path, result: dict) -> None:
     for row in result["overhead"]:
         lines.append(f"| {row['agents']} | {row['overhead_ratio']:.3f} | {row['overhead_ratio_with_eval_and_checkpoint']:.3f} "
                      f"| {row['agent_cpu_s_per_round_median']:.2f} |")
-    lines += ["", "## Scale (simulated devices, precomputed float32 updates of the 80k CNN)", "",
+    lines += ["", "## Scale (simulated devices, precomputed signed updates of the 80k CNN in the default codec)", "",
               "| devices | round completion s (median) | updates/s (median) | updates per coordinator CPU-second | coordinator peak RSS MB |",
               "| --- | --- | --- | --- | --- |"]
     for row in result["scale"]:
