@@ -5,8 +5,9 @@ import json
 import subprocess
 import sys
 
-# Measured: 3 agents x 3 rounds on digits reach 52-62% over seeds 0-4 (chance is 10%).
-MIN_ACCURACY = 0.35
+# Measured with the default codec (top-k 10%, 4-bit, zlib): 44.7 / 48.6 / 40.8% after 3 rounds
+# for seeds 0 / 1 / 2 (chance is 10%; float32 updates gave 61-69%). The test runs seed 0.
+MIN_ACCURACY = 0.30
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
