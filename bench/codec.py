@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 from broker_coordinator.aggregation import StreamingMean  # noqa: E402
 from broker_coordinator.evaluation import evaluate  # noqa: E402
 from edge_agent.training import LocalSettings, train_locally  # noqa: E402
-from edgefl_protocol import algorithms, codec, messages, signing  # noqa: E402
-from models.architectures import build_model, count_parameters, get_weights, set_weights  # noqa: E402
+from edgefl_protocol import algorithms, codec, messages  # noqa: E402
+from models.architectures import build_model, get_weights, set_weights  # noqa: E402
 from models.datasets import Dataset, load_mnist5k, mnist_split_perm  # noqa: E402
 
 PARTITION = ROOT / "bench" / "data" / "mnist5k_dir01_20clients.npz"

@@ -39,8 +39,9 @@ import psutil  # noqa: E402
 from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker  # noqa: E402
 from broker_coordinator.coordinator import Coordinator, RoundSettings  # noqa: E402
 from broker_coordinator.rounds import RoundState  # noqa: E402
+from broker_coordinator.processes import stop_processes  # noqa: E402
 from broker_coordinator.simulate import (SimulationSpec, prepare_shards, spawn_agent,  # noqa: E402
-                                         stop_processes, write_agent_config)
+                                         write_agent_config)
 from broker_coordinator.store import Store  # noqa: E402
 from edgefl_protocol import codec, signing  # noqa: E402
 from models import datasets  # noqa: E402

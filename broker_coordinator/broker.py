@@ -22,6 +22,8 @@ from pathlib import Path
 
 from edgefl_protocol import topics
 
+from .processes import stop_processes
+
 PBKDF2_ITERATIONS = 101
 COORDINATOR_USER = "coordinator"
 
@@ -200,13 +202,8 @@ class PrivateBroker:
         return self
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_processes([self.process], timeout=10)
         self.process = None
 
     def __enter__(self) -> "PrivateBroker":

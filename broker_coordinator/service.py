@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -12,7 +11,7 @@ from edgefl_protocol import signing
 from models.datasets import load_npz
 
 from .config import CoordinatorConfig
-from .coordinator import Coordinator, RoundFailed
+from .coordinator import Coordinator, RoundFailed, record_dict
 from .metrics import Metrics
 from .report import format_round
 from .store import Store
@@ -47,7 +46,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                 log.error("%s; waiting before the next attempt", exc)
                 coordinator.stopping.wait(config.rounds.round_timeout)
                 continue
-            echo(format_round(json.loads(json.dumps(record.__dict__)), fed.rounds or record.round))
+            echo(format_round(record_dict(record), fed.rounds or record.round))
     finally:
         desk.stop()
         coordinator.close()

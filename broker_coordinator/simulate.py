@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from models import datasets, partition
 from .broker import COORDINATOR_USER, PrivateBroker
 from .coordinator import Coordinator, RoundSettings, record_dict
 from .metrics import Metrics
+from .processes import stop_processes
 from .store import Store
 from .report import format_round, plot_accuracy, write_history
 
@@ -75,19 +75,6 @@ def spawn_agent(config: Path, log_path: Path) -> subprocess.Popen:
     with open(log_path, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "edge_agent", "run", "--config", str(config)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-
-def stop_processes(processes: list[subprocess.Popen], timeout: float = 15.0) -> None:
-    for p in processes:
-        if p.poll() is None:
-            p.terminate()
-    give_up = time.monotonic() + timeout
-    for p in processes:
-        try:
-            p.wait(timeout=max(0.1, give_up - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[dict]:

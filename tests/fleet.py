@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from broker_coordinator.broker import PrivateBroker
+from broker_coordinator.processes import stop_processes
 from edgefl_protocol import signing
 from edgefl_protocol.settings import to_toml
 from models import datasets, partition
@@ -57,15 +58,7 @@ class Fleet:
         self.processes[device].wait()
 
     def stop(self) -> None:
-        for p in self.processes.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.processes.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.processes.values())
 
 
 def write_test_set(path: Path, data: datasets.Dataset) -> Path:

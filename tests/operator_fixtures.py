@@ -23,6 +23,7 @@ from broker_coordinator import devices as ops
 from broker_coordinator.broker import find_mosquitto, free_port, wait_for_port
 from broker_coordinator.config import CoordinatorConfig, load_config
 from broker_coordinator.enrollment import EnrollmentDesk
+from broker_coordinator.processes import stop_processes
 from edgefl_protocol.transport import connect
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -123,13 +124,7 @@ def start_server(root: Path, extra_broker: str = "", device_port: int = 0) -> Se
 
 
 def stop_server(server: Server) -> None:
-    if server.process.poll() is None:
-        server.process.terminate()
-        try:
-            server.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    stop_processes([server.process], timeout=10)
 
 
 @pytest.fixture

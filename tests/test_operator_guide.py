@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from broker_coordinator.processes import stop_processes
 from .operator_fixtures import PROJECT_ROOT, debian_main_conf, run_module, write_coordinator_config
 
 README = PROJECT_ROOT / "README.md"
@@ -134,14 +135,7 @@ def test_operator_guide_end_to_end(tmp_path):
         listing = run_module("broker_coordinator", "devices", "list", *coordinator)
         assert any(line.split()[:3] == ["pi-07", "revoked", "revoked"] for line in listing.stdout.splitlines())
     finally:
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        stop_processes(reversed(processes))
 
 
 def test_status_before_enrollment(tmp_path):

@@ -39,8 +39,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-import torch
-
 from .base import Scalar, Tensors, cosine, grads_of
 from .feddyn import DualServer, DualState
 from .sam import SAMClient
