@@ -101,7 +101,7 @@ def run_job(job: Job) -> dict:
     result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True)
     record = {"setting": job.setting, "variant": job.variant.name, "algorithm": job.variant.algorithm,
               "hparams": dict(job.variant.hparams), "momentum": job.momentum, "seed": job.seed, "split": job.split,
-              "accuracy": result.accuracy, "loss": result.loss, "local_seconds": result.local_seconds,
+              "accuracy": result.accuracy, "ema_accuracy": result.ema_accuracy, "loss": result.loss, "local_seconds": result.local_seconds,
               "signals": result.signals, "wall_seconds": time.time() - started}
     job.path.parent.mkdir(parents=True, exist_ok=True)
     job.path.write_text(json.dumps(record))
@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--other-seeds", type=int, default=3, help="seeds for the other settings")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated parts: headline,cpu,ablation,other")
+    p.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     args = p.parse_args(argv)
 
     if args.check_mqtt:
@@ -276,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         for setting in (settings.SYNTHETIC, settings.DIRICHLET05):
             jobs += [Job(setting, v, m, s) for s in range(1, args.other_seeds + 1) for m in (MOMENTUM, 0.0)
                      for v in BASELINES + [DEFAULT]]
+    if args.variants:
+        wanted = set(args.variants.split(","))
+        unknown = wanted - set(variants)
+        if unknown:
+            p.error(f"unknown variant(s) {', '.join(sorted(unknown))}; known: {', '.join(variants)}")
+        jobs = [j for j in jobs if j.variant.name in wanted]
     if not args.report:
         run_all(jobs, args.workers)
     records = [json.loads(path.read_text()) for path in sorted((RUNS / "test").glob("*/*.json"))]

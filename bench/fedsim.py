@@ -48,6 +48,12 @@ class RunResult:
     loss: list[float]
     local_seconds: list[float]                      # one per client-round
     signals: list[dict] = field(default_factory=list)  # per round: {device: metrics}
+    # accuracy of an exponential moving average of the global models, per decay: what serving an
+    # average instead of the last model would give any algorithm (measured beside, never fed back)
+    ema_accuracy: dict[str, list[float]] = field(default_factory=dict)
+
+
+EMA_DECAYS = (0.5, 0.75, 0.9)
 
 
 def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: bool = False,
@@ -65,6 +71,8 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
     rng = random.Random(seed)
     last_metrics: dict[str, dict] = {}
     result = RunResult([], [], [])
+    averages = {decay: dict(weights) for decay in EMA_DECAYS}
+    served = build_model(fed.arch)
     for round_no in range(1, fed.rounds + 1):
         server.start_round(round_no, len(devices))
         k = len(devices) if settings.clients_per_round == 0 else min(settings.clients_per_round, len(devices))
@@ -94,6 +102,11 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
         accuracy, loss = evaluate(model, fed.test)
         result.accuracy.append(accuracy)
         result.loss.append(loss)
+        for decay, average in averages.items():
+            for name, a in weights.items():
+                average[name] = decay * average[name] + (1 - decay) * a
+            set_weights(served, average)
+            result.ema_accuracy.setdefault(str(decay), []).append(evaluate(served, fed.test)[0])
         if keep_signals:
             result.signals.append(reported)
         if progress:

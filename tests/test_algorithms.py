@@ -162,6 +162,31 @@ def test_warmup_gives_exactly_fedavgs_local_update():
     assert result.metrics["passes"] == fedavg.metrics["passes"]  # no SAM pass during warm-up
 
 
+def test_smoothness_ratio_and_rho_max_from_it():
+    # gradient of 0.5 * 4 * w^2 is 4w: moving w from (1, 0) to (0.5, 0.5) changes it by 4x as much
+    before, after = t(1.0, 0.0), t(0.5, 0.5)
+    ratio = drsam.smoothness_ratio(before, [4 * x for x in before], after, [4 * x for x in after])
+    assert ratio == pytest.approx(4.0)
+    assert drsam.smoothness_ratio(before, before, before, before) is None  # theta did not move
+    assert drsam.rho_max_from_smoothness(4.0, 0.001) == pytest.approx(0.125)
+    assert drsam.rho_max_from_smoothness(1e6, 0.001) == 0.001
+
+
+def test_rho_from_smoothness_is_measured_in_warmup_and_used_after_it():
+    hparams = {**drsam.DEFAULT_HPARAMS, "rho_from_smoothness": 1, "batch_size": 4, "smoothness_samples": 12}
+    state: dict = {}
+    warm = drsam.Client(hparams, {"round": 1, "warmup": True}, state)
+    result = train_locally(tiny_model(), tiny_data(), warm, LocalSettings(epochs=1, batch_size=4), 0)
+    L = result.metrics["smoothness"]
+    assert L > 0 and state["smoothness"] == L
+    later = drsam.Client(hparams, {"round": 5, "warmup": False}, state)
+    later.begin(tiny_model(), [p.detach().clone() for p in tiny_model().parameters()], 4, 16)
+    assert later.rho_max_k == pytest.approx(max(0.001, 1 / (2 * L)))
+    off = drsam.Client(drsam.DEFAULT_HPARAMS, {"round": 5, "warmup": False}, state)
+    off.begin(tiny_model(), [p.detach().clone() for p in tiny_model().parameters()], 4, 16)
+    assert off.rho_max_k == 0.05  # the option is off by default: the fixed rho_max
+
+
 def test_drsam_server_broadcasts_median_sigma_after_calibration_and_weights_by_lambda():
     server = drsam.Server({"lambda_weighting": 1})
     for round_no in range(1, 12):

@@ -36,7 +36,14 @@ Server:
 
 Parameters (defaults): a 0.4, b 0.5, c 0.1, lambda_min 0.01, lambda_max 0.3, rho_min 0.001,
 rho_max 0.05, m 5, warmup_rounds 3, calibration_rounds 10, ratio_min 0.25, ratio_max 4,
-tau_high 0.15, gamma_dynamic_baseline 0, halve_epochs 1, sam_every 1, lambda_weighting 0. Gradient clipping (10) is the shared `grad_clip` setting.
+tau_high 0.15, gamma_dynamic_baseline 0, halve_epochs 1, sam_every 1, lambda_weighting 0,
+rho_from_smoothness 0, smoothness_samples 100. Gradient clipping (10) is the shared `grad_clip` setting.
+
+Option rho_from_smoothness (note 4.4): during warm-up rounds the client estimates the gradient's
+Lipschitz constant L as the largest ||g_s - g_{s-1}|| / ||theta_s - theta_{s-1}|| over the steps
+covering its first `smoothness_samples` samples (free first-pass gradients, so successive
+mini-batches: an over-estimate, hence a cautious radius); afterwards rho_max 1/(2L) (at least
+rho_min) replaces the fixed rho_max, and the median-sigma ratio still applies on top.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ DEFAULT_HPARAMS: dict[str, float | str] = {
     "a": 0.4, "b": 0.5, "c": 0.1, "lambda_min": 0.01, "lambda_max": 0.3, "rho_min": 0.001, "rho_max": 0.05,
     "m": 5, "warmup_rounds": 3, "calibration_rounds": 10, "ratio_min": 0.25, "ratio_max": 4.0,
     "tau_high": 0.15, "gamma_dynamic_baseline": 0, "halve_epochs": 1, "sam_every": 1,
-    "lambda_weighting": 0, "weighting": "size",
+    "lambda_weighting": 0, "weighting": "size", "rho_from_smoothness": 0, "smoothness_samples": 100,
 }
 NOISE_FRACTION = 0.01       # |sigma| below this fraction of L(theta) is numerical noise
 RECALIBRATE_BELOW = -0.05   # raw sigma below this: re-measure along a random direction
@@ -83,6 +90,20 @@ def per_client_rho_max(rho_max: float, median_sigma: float, sigma_bar: float, lo
     if median_sigma <= 0 or sigma_bar <= 0:
         return rho_max
     return rho_max * min(max(median_sigma / sigma_bar, low), high)
+
+
+def smoothness_ratio(params_before: Tensors, grads_before: Tensors, params: Tensors, grads: Tensors) -> float | None:
+    """||g_t - g_{t-1}|| / ||theta_t - theta_{t-1}||, a local estimate of the Lipschitz constant L
+    of the gradient (note 4.4); None when theta did not move."""
+    moved = norm([p - q for p, q in zip(params, params_before)])
+    if moved <= 0:
+        return None
+    return norm([g - f for g, f in zip(grads, grads_before)]) / moved
+
+
+def rho_max_from_smoothness(smoothness: float, rho_min: float) -> float:
+    """rho_max ~ 1/(2L): a radius above 2/L makes the SAM step increase the loss (note 4.4)."""
+    return max(rho_min, 1.0 / (2.0 * smoothness))
 
 
 def angle(a: Tensors, b: Tensors) -> float:
@@ -143,8 +164,17 @@ class Client(SAMClient):
         self.signals = Signals(int(self.h("m")), total_steps)
         sigma_history = self.state.get("sigma_history", [])
         sigma_bar = sum(sigma_history) / len(sigma_history) if sigma_history else 0.0
-        self.rho_max_k = per_client_rho_max(self.h("rho_max"), float(self.broadcast.get("median_sigma", 0.0)),
+        rho_max = self.h("rho_max")
+        if self.h("rho_from_smoothness") and self.state.get("smoothness"):
+            rho_max = rho_max_from_smoothness(float(self.state["smoothness"]), self.h("rho_min"))
+        self.rho_max_k = per_client_rho_max(rho_max, float(self.broadcast.get("median_sigma", 0.0)),
                                             sigma_bar, self.h("ratio_min"), self.h("ratio_max"))
+        # the smoothness probe: warm-up rounds, the steps covering the first ~100 samples
+        batch = max(1, int(self.hparams.get("batch_size", 32)))
+        self.probe_steps = math.ceil(self.h("smoothness_samples") / batch) if (
+            self.warmup and self.h("rho_from_smoothness")) else 0
+        self.probe_last: tuple[Tensors, Tensors] | None = None
+        self.smoothness: float | None = None
         if self.warmup:
             self.lam, self.rho = 0.0, self.rho_max_k
         else:  # the strengths this client ended its previous participation with
@@ -174,6 +204,8 @@ class Client(SAMClient):
     def perturbation(self, step: int, params: Tensors, loss: float | None) -> Tensors | None:
         if loss is not None and (self.signals.in_first(step) or self.signals.in_last(step)):
             self.signals.add_gradient(step, grads_of(params))
+        if loss is not None and step < self.probe_steps:
+            self._probe_smoothness(params)
         if self.warmup:
             return None
         return super().perturbation(step, params, loss)
@@ -194,6 +226,14 @@ class Client(SAMClient):
                     self.recalibrate_at = step + 1
                 else:
                     self._set_strengths(clean_sigma(raw, sum(s.losses) / len(s.losses)))
+
+    def _probe_smoothness(self, params: Tensors) -> None:
+        current = ([p.detach().clone() for p in params], grads_of(params))
+        if self.probe_last is not None:
+            ratio = smoothness_ratio(*self.probe_last, *current)
+            if ratio is not None:
+                self.smoothness = ratio if self.smoothness is None else max(self.smoothness, ratio)
+        self.probe_last = current
 
     def _set_strengths(self, sigma: float) -> None:
         self.sigma = sigma
@@ -228,13 +268,16 @@ class Client(SAMClient):
         tau = tau_of(angles)
         st.update({"g_fin": to_numpy(g_fin), "angles": angles, "gamma": gamma, "tau": tau,
                    "participations": int(st.get("participations", 0)) + 1})
+        if self.smoothness is not None:  # the largest estimate over this client's warm-up rounds
+            st["smoothness"] = max(self.smoothness, float(st.get("smoothness", 0.0)))
         if not self.warmup:
             st["lambda"], st["rho"] = self.lam, self.rho
             if self.sigma is not None and self.round <= self.h("calibration_rounds"):
                 st["sigma_history"] = list(st.get("sigma_history", [])) + [self.sigma]
         return {"gamma": gamma, "sigma": self.sigma if self.sigma is not None else 0.0, "tau": tau,
                 "lambda_raw": self.lambda_raw, "lambda": self.lam, "rho": 0.0 if self.warmup else self.rho,
-                "rho_max_k": self.rho_max_k, "warmup": self.warmup}
+                "rho_max_k": self.rho_max_k, "warmup": self.warmup,
+                **({"smoothness": self.smoothness} if self.smoothness is not None else {})}
 
 
 class Server(ServerRule):

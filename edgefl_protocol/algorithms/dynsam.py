@@ -39,14 +39,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
+import numpy as np
+
 from .base import Scalar, Tensors, cosine, grads_of
 from .feddyn import DualServer, DualState
+from .fedsmoo import GlobalPerturbation, PerturbationDual
 from .sam import SAMClient
 
 NAME = "dynsam"
 DEFAULT_HPARAMS: dict[str, float | str] = {
     "alpha": 0.1, "rho": 0.05, "sam_every": 4, "ratio": 2.0, "adapt_rho": 1, "adapt_alpha": 1,
-    "size_aware": 0, "sam": 1, "dual": 1, "weighting": "uniform",
+    "size_aware": 0, "sam": 1, "dual": 1, "weighting": "uniform", "global_perturbation": 0,
 }
 
 
@@ -57,7 +60,7 @@ def ratio_factor(typical: float, own: float | None, r: float) -> float:
     return min(max(typical / own, 1 / r), r)
 
 
-class Client(DualState, SAMClient):
+class Client(DualState, PerturbationDual, SAMClient):
     def h(self, name: str) -> float:
         return float(self.hparams.get(name, DEFAULT_HPARAMS[name]))
 
@@ -65,6 +68,8 @@ class Client(DualState, SAMClient):
         super().begin(model, global_params, total_steps, num_samples)
         if self.h("dual"):
             self.load_dual(global_params)
+        if self.h("global_perturbation"):
+            self.load_perturbation_dual(model, global_params)
         r = self.h("ratio")
         st, b = self.state, self.broadcast
         self.rho_k = self.h("rho")
@@ -84,6 +89,13 @@ class Client(DualState, SAMClient):
 
     def radius(self, step: int) -> float:
         return self.rho_k
+
+    def ascent_direction(self, step: int, grads: Tensors) -> Tensors:
+        return self.corrected_ascent(grads) if self.h("global_perturbation") else grads
+
+    def after_ascent(self, step: int, eps: Tensors) -> None:
+        if self.h("global_perturbation"):
+            self.update_perturbation_dual(eps)
 
     def perturbation(self, step: int, params: Tensors, loss: float | None) -> Tensors | None:
         if loss is not None:  # a fresh first pass: free signal material
@@ -107,6 +119,8 @@ class Client(DualState, SAMClient):
     def end(self, params: Tensors) -> dict[str, Scalar]:
         if self.h("dual"):
             self.store_dual(params)
+        if self.h("global_perturbation"):
+            self.store_perturbation_dual()
         sigma = max(0.0, sum(self.diffs) / len(self.diffs)) if self.diffs else None
         if getattr(self, "previous", None) is not None and self.total_steps > 1:
             self.g_last = self.previous  # free-ascent mode: the last descent gradient
@@ -122,13 +136,26 @@ class Client(DualState, SAMClient):
             metrics["gamma"] = gamma
         return metrics
 
+    def extra_tensors(self) -> dict[str, np.ndarray]:
+        return self.perturbation_dual_tensors() if self.h("global_perturbation") else {}
+
 
 class Server(DualServer):
     def __init__(self, hparams: Mapping[str, Scalar]):
         super().__init__({**DEFAULT_HPARAMS, **hparams})
         self.latest: dict[str, dict[str, float]] = {}
+        self.perturbation = GlobalPerturbation(float(self.hparams["rho"]))
+        self.smooth = bool(float(self.hparams["global_perturbation"]))
+
+    def extra_specs(self, model_specs):
+        return self.perturbation.specs(model_specs) if self.smooth else {}
+
+    def broadcast_tensors(self) -> dict[str, np.ndarray]:
+        return dict(self.perturbation.s)
 
     def new_global(self, global_params, mean_delta, mean_extras=None):
+        if self.smooth:
+            self.perturbation.update(global_params, mean_extras)
         if not float(self.hparams["dual"]):
             return {n: global_params[n] + mean_delta[n] for n in global_params}
         return super().new_global(global_params, mean_delta, mean_extras)
@@ -142,10 +169,11 @@ class Server(DualServer):
                 seen[key] = float(metrics[key])
 
     def state(self) -> dict:
-        return {**super().state(), "latest": self.latest}
+        return {**super().state(), "latest": self.latest, "s": self.perturbation.s}
 
     def load_state(self, state) -> None:
         super().load_state(state)
+        self.perturbation.load(state.get("s", {}))
         self.latest = {d: dict(v) for d, v in state.get("latest", {}).items()}
 
     def broadcast(self) -> dict[str, Scalar]:
