@@ -128,3 +128,36 @@ def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
     # the same device and round twice is a replay (it was "duplicate" before updates were signed)
     assert (c.rejections["replay"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
     assert rnd.aggregate.count == 1
+
+
+def _update(c, device="d1", *, federation="u", model_version=0, codec_name="float32", scale=0.0):
+    """A signed update with every field right unless a keyword says otherwise."""
+    import msgpack
+
+    from edgefl_protocol import messages
+
+    tensors = {k: np.full_like(v, scale) for k, v in c.weights.items()}
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    return messages.encode_update(messages.Update(device, 1, model_version, 10, {"steps": 1}, body, codec_name,
+                                                  specs, federation), KEY)
+
+
+@pytest.mark.parametrize("fields,reason,detail", [
+    ({"federation": "other"}, "federation", "federation 'other'"),
+    ({"model_version": 7}, "stale", "model version 7"),
+    ({"codec_name": "float16"}, "codec", "'float16'"),
+    ({"scale": 1.0}, "norm", "exceeds the bound"),
+])
+def test_wrong_federation_model_codec_and_norm_are_rejected_with_their_reason(tmp_path, caplog, fields, reason,
+                                                                                detail):
+    c, rnd = _coordinator_and_round(tmp_path)
+    c.settings.max_update_norm = 10.0  # a delta of all ones over 4,810 weights has norm ~69
+    before = {k: v.copy() for k, v in c.weights.items()}
+    with caplog.at_level("WARNING"):
+        c._on_update(rnd, "d1", _update(c, **fields), time.time())
+    assert c.rejections[reason] == 1 and rnd.aggregate.count == 0
+    assert any(detail in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert all(np.array_equal(before[k], c.weights[k]) for k in before)
+    c._on_update(rnd, "d2", _update(c, "d2"), time.time())
+    assert rnd.aggregate.count == 1
