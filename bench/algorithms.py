@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgefl_protocol import algorithms
+
+from .algorithms_report import report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "algorithms_runs"
@@ -122,111 +123,6 @@ def run_all(jobs: list[Job], workers: int) -> list[dict]:
     return [run_job(j) for j in jobs]
 
 
-# --- the report -----------------------------------------------------------------------
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
-def std(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
-@dataclass
-class Row:
-    key: str
-    variant: Variant
-    momentum: float
-    final: list[float] = field(default_factory=list)
-    curves: list[list[float]] = field(default_factory=list)
-    local_median: list[float] = field(default_factory=list)
-    passes: list[float] = field(default_factory=list)  # forward-backward passes per client-round
-
-
-def summarize(records: list[dict], variants: dict[str, Variant]) -> dict[str, dict[str, Row]]:
-    table: dict[str, dict[str, Row]] = {}
-    for r in records:
-        key = r["variant"] + ("+momentum" if r["momentum"] else "")
-        row = table.setdefault(r["setting"], {}).setdefault(key, Row(key, variants[r["variant"]], r["momentum"]))
-        row.final.append(r["accuracy"][-1])
-        row.curves.append(r["accuracy"])
-        row.local_median.append(statistics.median(r["local_seconds"]))
-        row.passes.append(mean([m["passes"] for rnd in r["signals"] for m in rnd.values()]))
-    return table
-
-
-def rounds_to(curve: list[float], target: float) -> int | None:
-    return next((i + 1 for i, a in enumerate(curve) if a >= target), None)
-
-
-def report(records: list[dict], variants: dict[str, Variant], default: str, out_prefix: str = "algorithms") -> None:
-    table = summarize(records, variants)
-    schema = {"default_algorithm": default, "settings": {}}
-    details: dict = {"settings": {}}
-    lines = [f"# Algorithm benchmark ({out_prefix})", "",
-             "Final test accuracy after the last round, mean +- std over seeds (in process, bench/fedsim.py); "
-             "rounds to 90% of the best final accuracy in the setting (on the seed-mean curve); median local "
-             "training seconds per client-round (1 thread per run, several runs and other users' jobs sharing 2 cores, so "
-             "seconds are noisy; 'passes' counts forward-backward passes per client-round, the deterministic cost). "
-             "Time and passes are relative to fedavg with the same optimizer.", ""]
-    for setting, rows in table.items():
-        best = max(mean(r.final) for r in rows.values())
-        schema["settings"][setting] = {}
-        details["settings"][setting] = {}
-        lines += [f"## {setting}", "", "| algorithm | optimizer | final accuracy (%) | seeds | rounds to 90% of best "
-                  "| local s / client-round | time vs fedavg | passes vs fedavg | note |", "|---|---|---|---|---|---|---|---|---|"]
-        for key, row in sorted(rows.items(), key=lambda kv: -mean(kv[1].final)):
-            optimizer = f"sgd+momentum{row.momentum}" if row.momentum else "sgd"
-            if row.variant not in ABLATION:  # ablation rows live in the markdown and the details file
-                schema["settings"][setting][key] = {"final_accuracy": row.final, "local_seconds": row.local_median,
-                                                    "optimizer": optimizer}
-            curve = [mean(c) for c in zip(*row.curves)]
-            to90 = rounds_to(curve, 0.9 * best)
-            ref = rows.get("fedavg" + ("+momentum" if row.momentum else ""))
-            ratio = mean(row.local_median) / mean(ref.local_median) if ref else float("nan")
-            pass_ratio = mean(row.passes) / mean(ref.passes) if ref else float("nan")
-            details["settings"][setting][key] = {
-                "variant": row.variant.name, "algorithm": row.variant.algorithm, "hparams": dict(row.variant.hparams),
-                "optimizer": optimizer, "final_mean": mean(row.final), "final_std": std(row.final),
-                "rounds_to_90pct_of_best": to90, "local_seconds_median": statistics.median(row.local_median),
-                "local_time_vs_fedavg": ratio, "passes_vs_fedavg": pass_ratio, "mean_curve": curve,
-                "note": row.variant.note}
-            lines.append(f"| {key} | {optimizer} | {100 * mean(row.final):.2f} +- {100 * std(row.final):.2f} | "
-                         f"{len(row.final)} | {to90 if to90 else '-'} | {statistics.median(row.local_median):.3f} | "
-                         f"{ratio:.2f}x | {pass_ratio:.2f}x | {row.variant.note} |")
-        lines.append("")
-        plot(setting, rows, RESULTS / f"{out_prefix}_{setting}.png")
-        lines += [f"![accuracy per round]({out_prefix}_{setting}.png)", ""]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{out_prefix}.json").write_text(json.dumps(schema, indent=1) + "\n")
-    (RESULTS / f"{out_prefix}_details.json").write_text(json.dumps(details, indent=1) + "\n")
-    (RESULTS / f"{out_prefix}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def plot(setting: str, rows: dict[str, Row], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, momentum in zip(axes, (False, True)):
-        for key, row in sorted(rows.items()):
-            if bool(row.momentum) != momentum:
-                continue
-            curve = [100 * mean(c) for c in zip(*row.curves)]
-            ax.plot(range(1, len(curve) + 1), curve, label=f"{key} ({100 * mean(row.final):.1f})",
-                    linewidth=2.2 if key.startswith("dynsam") else 1.2)
-        ax.set_title(f"{setting}, {'SGD + momentum 0.9' if momentum else 'plain SGD'}")
-        ax.set_xlabel("round")
-        ax.set_ylim(60, 100)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    axes[0].set_ylabel("test accuracy (%), mean over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     from . import settings
 
@@ -255,14 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         records = [json.loads(j.path.read_text()) for j in jobs if j.path.exists()]
         records = [r for r in records if "accuracy" in r]
         report(records, {**variants, **{r["variant"]: Variant(r["variant"], r["algorithm"], tuple(r["hparams"].items()))
-                                        for r in records}}, algorithms.DEFAULT_ALGORITHM, "algorithms_validation")
+                                        for r in records}}, DEFAULT.name, RESULTS, "algorithms_validation",
+               runtime_default=algorithms.DEFAULT_ALGORITHM)
         return 0
     if args.quick:
         jobs = [Job(settings.HEADLINE, v, MOMENTUM, 1, split="quick", rounds=5) for v in BASELINES + [DEFAULT]]
         for job in jobs:  # always a fresh measurement
             job.path.unlink(missing_ok=True)
         records = run_all(jobs, args.workers)
-        report(records, variants, algorithms.DEFAULT_ALGORITHM, "algorithms_quick")
+        report(records, variants, DEFAULT.name, RESULTS, "algorithms_quick", headline=settings.HEADLINE,
+               runtime_default=algorithms.DEFAULT_ALGORITHM)
         return 0
     parts = set(args.only.split(",")) if args.only else {"headline", "cpu", "ablation", "other"}
     jobs: list[Job] = []
@@ -272,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if "cpu" in parts:
         jobs += [Job(settings.HEADLINE, v, MOMENTUM, s) for s in seeds for v in CPU_SIZED]
     if "ablation" in parts:
-        jobs += [Job(settings.HEADLINE, v, MOMENTUM, s) for s in seeds for v in ABLATION]
+        jobs += [Job(settings.HEADLINE, v, m, s) for s in seeds for m in (0.0, MOMENTUM) for v in ABLATION]
     if "other" in parts:
         for setting in (settings.SYNTHETIC, settings.DIRICHLET05):
             jobs += [Job(setting, v, m, s) for s in range(1, args.other_seeds + 1) for m in (MOMENTUM, 0.0)
@@ -287,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         run_all(jobs, args.workers)
     records = [json.loads(path.read_text()) for path in sorted((RUNS / "test").glob("*/*.json"))]
     records = [r for r in records if "accuracy" in r and r["variant"] in variants]
-    report(records, variants, algorithms.DEFAULT_ALGORITHM)
+    report(records, variants, DEFAULT.name, RESULTS, ablation=ABLATION, headline=settings.HEADLINE,
+           runtime_default=algorithms.DEFAULT_ALGORITHM)
     return 0
 
 

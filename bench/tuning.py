@@ -29,6 +29,7 @@ CONSENSUS_CHOICE = [
     Variant("dynsam-gp", "dynsam", (("global_perturbation", 1),)),
     Variant("fedsmoo", "fedsmoo"),
     Variant("feddyn", "feddyn"),
+    Variant("dynsam-bal", "dynsam", (("balanced_loss", 1),)),
 ]
 TAIL = 10
 

@@ -62,8 +62,8 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
     params = [p for p in model.parameters() if p.requires_grad]
     global_params = [p.detach().clone() for p in params]
     optimizer = LocalSGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
-    loss_fn = nn.CrossEntropyLoss()
     x_all, y_all = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    loss_fn = rule.loss_function(y_all)
     generator = torch.Generator().manual_seed(seed)
     epochs = rule.local_epochs(settings.epochs)
     steps_per_epoch = math.ceil(len(y_all) / settings.batch_size)

@@ -4,6 +4,7 @@ training loop (`edge_agent.training.train_locally`) and the one aggregator
 
 Client side, per round, in the order the loop calls them:
     local_epochs(E) -> E'                 an algorithm may shorten the round (DR-SAM's tau rule)
+    loss_function(labels) -> loss_fn      cross-entropy, or a loss that knows the local labels
     begin(model, global, steps, n)     remember what the round started from
     per mini-batch, at step s:
         wants_clean_gradient(s)           pass 1 at theta? (False only for CPU-sized SAM reuse steps)
@@ -83,6 +84,9 @@ class ClientRule:
 
     def local_epochs(self, epochs: int) -> int:
         return epochs
+
+    def loss_function(self, labels: torch.Tensor) -> LossFn:
+        return torch.nn.CrossEntropyLoss()
 
     def begin(self, model: torch.nn.Module, global_params: Tensors, total_steps: int, num_samples: int) -> None:
         self.global_params = global_params

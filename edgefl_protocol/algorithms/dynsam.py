@@ -44,12 +44,14 @@ import numpy as np
 from .base import Scalar, Tensors, cosine, grads_of
 from .feddyn import DualServer, DualState
 from .fedsmoo import GlobalPerturbation, PerturbationDual
+from .losses import BalancedSoftmaxLoss
 from .sam import SAMClient
 
 NAME = "dynsam"
 DEFAULT_HPARAMS: dict[str, float | str] = {
     "alpha": 0.1, "rho": 0.05, "sam_every": 4, "ratio": 2.0, "adapt_rho": 1, "adapt_alpha": 1,
     "size_aware": 0, "sam": 1, "dual": 1, "weighting": "uniform", "global_perturbation": 0,
+    "balanced_loss": 0,
 }
 
 
@@ -63,6 +65,11 @@ def ratio_factor(typical: float, own: float | None, r: float) -> float:
 class Client(DualState, PerturbationDual, SAMClient):
     def h(self, name: str) -> float:
         return float(self.hparams.get(name, DEFAULT_HPARAMS[name]))
+
+    def loss_function(self, labels):
+        if self.h("balanced_loss"):
+            return BalancedSoftmaxLoss(labels)
+        return super().loss_function(labels)
 
     def begin(self, model, global_params: Tensors, total_steps: int, num_samples: int) -> None:
         super().begin(model, global_params, total_steps, num_samples)
