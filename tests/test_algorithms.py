@@ -272,6 +272,36 @@ def test_fedsmoo_client_ascent_dual_and_server_perturbation():
     assert np.allclose(new["w"], [1.0 + 0.5 * 1.0, 0.0])  # FedDyn's server rule, H = (1/2) mean delta
 
 
+def test_dynsam_global_perturbation_option_uses_fedsmoos_dual_and_server():
+    hparams = {**dynsam.DEFAULT_HPARAMS, "global_perturbation": 1, "sam_every": 1}
+    state: dict = {}
+    result = train_locally(tiny_model(), tiny_data(), dynsam.Client(hparams, {}, state), LocalSettings(batch_size=4), 0)
+    assert {f"{fedsmoo.MU}.weight", f"{fedsmoo.MU}.bias"} <= set(result.delta) and "mu" in state
+    server = dynsam.Server(hparams)
+    specs = {"w": (2,)}
+    assert server.extra_specs(specs) == {f"{fedsmoo.MU}.w": (2,)}
+    server.start_round(1, 2)
+    server.observe("d1", 10, {})
+    server.new_global({"w": np.zeros(2, np.float32)}, {"w": np.zeros(2, np.float32)},
+                      {f"{fedsmoo.MU}.w": np.array([3.0, 4.0], np.float32)})
+    assert np.allclose(server.broadcast_tensors()[f"{fedsmoo.S}.w"], [0.03, 0.04], atol=1e-6)  # rho 0.05 * (3,4)/5
+    assert dynsam.Server(dynsam.DEFAULT_HPARAMS).extra_specs(specs) == {}  # off by default: nothing extra sent
+
+
+def test_balanced_softmax_adds_the_log_label_prior_to_the_logits():
+    from edgefl_protocol.algorithms.losses import BalancedSoftmaxLoss
+
+    labels = torch.tensor([0, 0, 0, 1])  # class 2 absent: smoothed count 1
+    loss = BalancedSoftmaxLoss(labels)
+    logits = torch.tensor([[0.5, -0.2, 0.1]])
+    prior = torch.tensor([4.0, 2.0, 1.0]) / 7.0
+    expected = nn.functional.cross_entropy(logits + prior.log(), torch.tensor([1]))
+    assert torch.allclose(loss(logits, torch.tensor([1])), expected)
+    rule = dynsam.Client({**dynsam.DEFAULT_HPARAMS, "balanced_loss": 1}, {}, {})
+    assert isinstance(rule.loss_function(labels), BalancedSoftmaxLoss)
+    assert isinstance(dynsam.Client(dynsam.DEFAULT_HPARAMS, {}, {}).loss_function(labels), nn.CrossEntropyLoss)
+
+
 def test_fedsam_ascent_is_rho_along_the_gradient():
     rule = fedsam.Client({"rho": 0.05}, {}, {})
     rule.begin(tiny_model(), t(0.0, 0.0), 1, 1)

@@ -26,12 +26,17 @@ Server:
     H <- H + (|P|/m) * mean_P(theta_k - theta_t);   theta_{t+1} = theta_t + mean_P(theta_k - theta_t) + H
     broadcast running medians of sigma and 1 - gamma over devices' latest reports, and mean n.
 
+Options (off: they lost on the validation split, bench/results/algorithms_validation.md):
+    global_perturbation  FedSMOO's ascent d = g - mu_k - s with its perturbation dual mu_k (sent
+                         beside the delta) and the server's s (fedsmoo.py's parts)
+    balanced_loss        the balanced-softmax loss of the client's own label counts (losses.py)
+
 Measured (bench/results/algorithms.md): it beats FedAvg by 1.5-2 points on the
 headline setting but not FedSMOO, and its ablation shows the dual does the work
 while the signal adaptation adds nothing measurable; so it is not the default.
 
 Parameters (defaults): alpha 0.1, rho 0.05, sam_every 4 (CPU-sized; chosen on validation), ratio r 2, adapt_rho 1,
-adapt_alpha 1, size_aware 0, sam 1, dual 1, weighting "uniform".
+adapt_alpha 1, size_aware 0, sam 1, dual 1, weighting "uniform", global_perturbation 0, balanced_loss 0.
 """
 
 from __future__ import annotations
