@@ -24,6 +24,7 @@ from broker_coordinator.aggregation import StreamingMean
 from broker_coordinator.coordinator import RoundSettings
 from broker_coordinator.evaluation import evaluate
 from broker_coordinator.selection import select
+from broker_coordinator.serving import ServedAverage
 from edge_agent.agent import local_settings
 from edge_agent.training import train_locally
 from edgefl_protocol import algorithms
@@ -72,6 +73,7 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
     last_metrics: dict[str, dict] = {}
     result = RunResult([], [], [])
     averages = {decay: dict(weights) for decay in EMA_DECAYS}
+    served_average = ServedAverage(weights, settings.serve_average)  # what `accuracy` evaluates, as the coordinator
     served = build_model(fed.arch)
     for round_no in range(1, fed.rounds + 1):
         server.start_round(round_no, len(devices))
@@ -98,7 +100,7 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
             reported[device] = {"num_samples": out.num_samples, **out.metrics}
             last_metrics[device] = dict(out.metrics)
         weights = server.new_global(weights, deltas.mean(), extras.mean() if extras is not None else None)
-        set_weights(model, weights)
+        set_weights(model, served_average.update(weights))
         accuracy, loss = evaluate(model, fed.test)
         result.accuracy.append(accuracy)
         result.loss.append(loss)

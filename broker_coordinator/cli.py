@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: RoundSettings.codec, see README)")
     sim.add_argument("--model-codec", type=_codec, default="float32",
                      help="downlink codec for the global model: float32 (lossless) or float16, optionally +zlib")
+    sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
+                     help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
+                          "models with this decay, e.g. 0.75; 0 = the last global model")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for results and run files")
     sim.add_argument("--federation", type=_name, default="sim")
@@ -134,7 +137,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                              momentum=args.momentum, round_timeout=args.round_timeout,
                              selection=args.selection, min_updates=args.min_updates,
                              normalize_steps=args.normalize_steps, model_codec=args.model_codec,
-                             hparams=dict(args.hparam))
+                             serve_average=args.serve_average, hparams=dict(args.hparam))
     if args.codec:
         settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))

@@ -37,6 +37,7 @@ from models.datasets import Dataset
 from .aggregation import StreamingMean
 from .broker import COORDINATOR_USER
 from .evaluation import evaluate
+from .serving import ServedAverage
 from .metrics import Metrics
 from .rounds import Round, RoundState
 from .selection import POLICIES, select
@@ -65,6 +66,7 @@ class RoundSettings:
     model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
     model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
     max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no bound
+    serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
@@ -87,6 +89,8 @@ class RoundSettings:
             (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
             (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
             (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
+            (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
+                                          "average of global models; 0 = serve the last global model)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -141,6 +145,8 @@ class Coordinator:
         self.model = build_model(arch, seed)
         self.weights = get_weights(self.model)
         self.specs = codec.specs_of(self.weights)
+        self.served = ServedAverage(self.weights, settings.serve_average)  # what is evaluated and kept
+        self.served_model = build_model(arch)
         self.version = 0
         self.next_round = 1
         self.algorithm = algorithms.get(settings.algorithm)
@@ -180,6 +186,7 @@ class Coordinator:
         self.weights, self.version, self.next_round = ckpt.weights, ckpt.version, ckpt.round + 1
         set_weights(self.model, self.weights)
         self.server_rule.load_state(ckpt.server_state)
+        self.served.weights = ckpt.served if ckpt.served is not None else dict(self.weights)
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
         log.warning("resumed from the checkpoint of round %d (model version %d, sha256 %s)",
                     ckpt.round, ckpt.version, ckpt.sha256[:12])
@@ -449,14 +456,16 @@ class Coordinator:
                                                    self.extras.mean() if self.extras is not None else None)
         self.version += 1
         set_weights(self.model, self.weights)
+        set_weights(self.served_model, self.served.update(self.weights))
         self._set_state(rnd, RoundState.AGGREGATED)
-        accuracy, loss = evaluate(self.model, self.test_set)
+        accuracy, loss = evaluate(self.served_model, self.test_set)
         self._set_state(rnd, RoundState.EVALUATED)
         record = self._record(rnd, base_sha, model_sha256(self.weights),
                               "complete" if rnd.complete else "deadline", accuracy, loss)
         if self.store:
             self.store.save_checkpoint(Checkpoint(round_no, self.version, self.arch, self.weights,
-                                                  record.model_sha256, self.server_rule.state(), asdict(record)))
+                                                  record.model_sha256, self.server_rule.state(), asdict(record),
+                                                  self.served.weights if self.settings.serve_average else None))
             self.store.record_round(asdict(record))
         self._set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1

@@ -51,6 +51,7 @@ class Checkpoint:
     sha256: str
     server_state: dict[str, Any]
     record: dict[str, Any]
+    served: dict[str, np.ndarray] | None = None  # the served moving average, when serve_average is on
 
 
 class Store:
@@ -67,7 +68,8 @@ class Store:
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
         atomic_write(self.dir / CHECKPOINT, pack({
             "round": ckpt.round, "version": ckpt.version, "arch": ckpt.arch, "weights": ckpt.weights,
-            "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record}))
+            "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record,
+            "served": ckpt.served}))
 
     def load_checkpoint(self) -> Checkpoint | None:
         path = self.dir / CHECKPOINT
@@ -75,7 +77,7 @@ class Store:
             return None
         raw = unpack(path.read_bytes())
         ckpt = Checkpoint(raw["round"], raw["version"], raw["arch"], raw["weights"], raw["sha256"],
-                          raw.get("server_state") or {}, raw.get("record") or {})
+                          raw.get("server_state") or {}, raw.get("record") or {}, raw.get("served"))
         if model_sha256(ckpt.weights) != ckpt.sha256:
             raise ValueError(f"checkpoint {path} is corrupt: its weights do not match the recorded sha256")
         if ckpt.record and not self.db.execute("SELECT 1 FROM rounds WHERE round = ? AND closed != 'abandoned'",

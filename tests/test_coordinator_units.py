@@ -161,3 +161,39 @@ def test_wrong_federation_model_codec_and_norm_are_rejected_with_their_reason(tm
     assert all(np.array_equal(before[k], c.weights[k]) for k in before)
     c._on_update(rnd, "d2", _update(c, "d2"), time.time())
     assert rnd.aggregate.count == 1
+
+
+def test_served_average_is_an_ema_of_global_models_and_survives_a_checkpoint(tmp_path):
+    from broker_coordinator.serving import ServedAverage
+    from broker_coordinator.store import Checkpoint, Store, model_sha256
+
+    served = ServedAverage({"w": np.zeros(2, np.float32)}, 0.75)
+    served.update({"w": np.array([4.0, 8.0], np.float32)})
+    out = served.update({"w": np.array([4.0, 8.0], np.float32)})
+    assert np.allclose(out["w"], [4 * (1 - 0.75 ** 2), 8 * (1 - 0.75 ** 2)])  # 1.75 and 3.5
+    last = ServedAverage({"w": np.zeros(2, np.float32)}, 0.0)
+    assert np.array_equal(last.update({"w": np.ones(2, np.float32)})["w"], np.ones(2))  # 0: the last model
+    with pytest.raises(ValueError, match=r"serve_average must be in \[0, 1\)"):
+        ServedAverage({}, 1.0)
+
+    store = Store(tmp_path)
+    weights = {"w": np.ones(2, np.float32)}
+    store.save_checkpoint(Checkpoint(1, 1, "digits_mlp", weights, model_sha256(weights), {}, {}, dict(served.weights)))
+    assert np.array_equal(Store(tmp_path).load_checkpoint().served["w"], served.weights["w"])
+
+
+def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
+    from broker_coordinator.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.store import Checkpoint, Store, model_sha256
+    from models import datasets
+
+    test = datasets.load("digits").test
+    first = Coordinator("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))
+    weights = {k: v + 1 for k, v in first.weights.items()}
+    served = {k: v + 0.5 for k, v in first.weights.items()}
+    first.store.save_checkpoint(Checkpoint(3, 3, "digits_mlp", weights, model_sha256(weights), {}, {}, served))
+    again = Coordinator("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))
+    assert again.next_round == 4
+    assert all(np.array_equal(again.served.weights[k], served[k]) for k in served)
+    with pytest.raises(ValueError, match="serve_average"):
+        RoundSettings(serve_average=1.5).validate()

@@ -37,6 +37,11 @@ def test_out_of_range_option_is_one_line_without_traceback():
     assert "--agents: 0 is out of range" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_serve_average_out_of_range_is_one_line():
+    result = run_cli("simulate", "--serve-average", "1")
+    assert result.returncode == 2 and "--serve-average" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bad_partition_is_explained():
     result = run_cli("simulate", "--partition", "dirichlet:-1")
     assert result.returncode == 2 and "use iid, dirichlet:A" in result.stderr
