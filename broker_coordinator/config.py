@@ -33,6 +33,7 @@
     min_updates = 5
     round_timeout = 300.0
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
+    serve_average = 0.75                 # evaluate/keep an average of the last global models (0 = off)
 
     [storage]
     state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
