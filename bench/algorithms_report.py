@@ -110,7 +110,9 @@ def report(records: list[dict], variants: dict, default: str, results: Path, out
            ablation: list | None = None, headline: str = "", runtime_default: str = "") -> None:
     ablation_names = {v.name for v in ablation or []}
     table = summarize(records, variants)
-    schema = {"default_algorithm": runtime_default or default, "settings": {}}
+    # default_algorithm is the runtime's (edgefl_protocol.algorithms.DEFAULT_ALGORITHM); our own algorithm,
+    # which would become it only by winning, is named beside it
+    schema = {"default_algorithm": runtime_default or default, "our_algorithm": default, "settings": {}}
     details: dict = {"served_average_decay": float(SERVED_DECAY), "settings": {}}
     lines = [f"# Algorithm benchmark ({out_prefix})", "",
              "Final test accuracy after the last round, mean +- std over seeds (in process, bench/fedsim.py). "
