@@ -72,7 +72,7 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
     rng = random.Random(seed)
     last_metrics: dict[str, dict] = {}
     result = RunResult([], [], [])
-    averages = {decay: dict(weights) for decay in EMA_DECAYS}
+    averages = {decay: ServedAverage(weights, decay) for decay in EMA_DECAYS}
     served_average = ServedAverage(weights, settings.serve_average)  # what `accuracy` evaluates, as the coordinator
     served = build_model(fed.arch)
     for round_no in range(1, fed.rounds + 1):
@@ -105,9 +105,7 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
         result.accuracy.append(accuracy)
         result.loss.append(loss)
         for decay, average in averages.items():
-            for name, a in weights.items():
-                average[name] = decay * average[name] + (1 - decay) * a
-            set_weights(served, average)
+            set_weights(served, average.update(weights))
             result.ema_accuracy.setdefault(str(decay), []).append(evaluate(served, fed.test)[0])
         if keep_signals:
             result.signals.append(reported)

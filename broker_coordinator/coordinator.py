@@ -37,10 +37,10 @@ from models.datasets import Dataset
 from .aggregation import StreamingMean
 from .broker import COORDINATOR_USER
 from .evaluation import evaluate
-from .serving import ServedAverage
 from .metrics import Metrics
 from .rounds import Round, RoundState
 from .selection import POLICIES, select
+from .serving import ServedAverage
 from .store import Checkpoint, Store, model_sha256
 
 log = logging.getLogger("broker_coordinator")
