@@ -102,8 +102,8 @@ def run_job(job: Job) -> dict:
     result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True)
     record = {"setting": job.setting, "variant": job.variant.name, "algorithm": job.variant.algorithm,
               "hparams": dict(job.variant.hparams), "momentum": job.momentum, "seed": job.seed, "split": job.split,
-              "accuracy": result.accuracy, "ema_accuracy": result.ema_accuracy, "loss": result.loss, "local_seconds": result.local_seconds,
-              "signals": result.signals, "wall_seconds": time.time() - started}
+              "accuracy": result.accuracy, "ema_accuracy": result.ema_accuracy, "loss": result.loss,
+              "local_seconds": result.local_seconds, "signals": result.signals, "wall_seconds": time.time() - started}
     job.path.parent.mkdir(parents=True, exist_ok=True)
     job.path.write_text(json.dumps(record))
     print(f"done {job.split}/{job.setting}/{job.key} seed {job.seed}: {100 * result.accuracy[-1]:.2f}% "

@@ -24,8 +24,8 @@ class ServedAverage:
 
     def update(self, global_weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Fold in this round's global model; returns the model to serve (and evaluate)."""
-        if self.decay == 0:
-            self.weights = {name: np.asarray(a, dtype=np.float32).copy() for name, a in global_weights.items()}
+        if self.decay == 0:  # the last model itself; the caller replaces, never mutates, its weights
+            self.weights = dict(global_weights)
         else:
             for name, a in global_weights.items():
                 self.weights[name] = (self.decay * self.weights[name] + (1 - self.decay) * a).astype(np.float32)
