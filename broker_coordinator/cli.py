@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
     stat.add_argument("--config", required=True, help="coordinator TOML config")
     stat.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    back = sub.add_parser("rollback", help="make an earlier round's kept checkpoint the live model",
+                          description="Stop the coordinator first. The kept checkpoint of ROUND (the last "
+                                      "[storage] keep_checkpoints rounds are kept) becomes the live one under a new "
+                                      "model version; the next 'run' resumes at ROUND + 1. Later rounds stay in the "
+                                      "history, marked by a rollback row.")
+    back.add_argument("--config", required=True, help="coordinator TOML config")
+    back.add_argument("--to", type=_bounded(int, 1), required=True, metavar="ROUND", help="the round to go back to")
+    back.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from .operator_cli import add_operator_commands
     add_operator_commands(sub)
     return parser
@@ -159,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .broker import BrokerError
     from .registry import RegistryError
+    from .statelock import StateLocked
+    from .store import StoreError
 
     errors: tuple[type[BaseException], ...] = (BrokerError, BrokerUnavailable, ConfigError, DatasetError,
-                                               RegistryError, ValueError, TimeoutError, OSError)
+                                               RegistryError, StateLocked, StoreError, ValueError, TimeoutError,
+                                               OSError)
     if not hasattr(args, "run"):  # the operator commands (args.run) do without torch
         from .coordinator import RoundFailed
         errors += (RoundFailed,)
@@ -174,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         from .config import load_config
         config = load_config(args.config)
         echo = lambda line: print(line, flush=True)  # noqa: E731
+        if args.command == "rollback":
+            return service.rollback(config, args.to, echo)
         return service.run(config, echo) if args.command == "run" else service.status(config, echo)
     except errors as exc:
         print(f"broker-coordinator: error: {exc}", file=sys.stderr)

@@ -33,10 +33,14 @@
     min_updates = 5
     round_timeout = 300.0
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
+    weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
+    norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
+    aggregator = "mean"                  # mean | trimmed_mean | median
     serve_average = 0.75                 # evaluate/keep an average of the last global models (0 = off)
 
     [storage]
     state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
+    keep_checkpoints = 10                # the last N rounds' models, for `broker-coordinator rollback`
 
     [enrollment]
     token_hours = 24.0                   # how long an enrollment token stays valid
@@ -127,6 +131,11 @@ class CoordinatorBroker:
 @dataclass
 class StorageSettings:
     state_dir: str = "/var/lib/edgefl-coordinator"
+    keep_checkpoints: int = 10  # the last N rounds' checkpoints, for `broker-coordinator rollback`
+
+    def validate(self) -> None:
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0 (0 = keep only the live one), got {self.keep_checkpoints}")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .aggregation import StreamingMean
+from .robust import RobustRound
 
 
 class RoundState(str, Enum):
@@ -48,12 +48,14 @@ class Round:
     cohort: set[str]
     deadline: float
     base_version: int
-    aggregate: StreamingMean
+    aggregate: RobustRound
     state: RoundState = RoundState.OPEN
     started: float = field(default_factory=time.time)
     answered: set[str] = field(default_factory=set)
     device_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     rejected: Counter[str] = field(default_factory=Counter)
+    refused: dict[str, str] = field(default_factory=dict)  # device -> reason it gave for refusing the task
+    weights_clipped: int = 0
     bytes_up: int = 0
     reason: str = ""
 
@@ -65,4 +67,5 @@ class Round:
 
     @property
     def complete(self) -> bool:
-        return self.answered == self.cohort
+        """Every selected device has answered, with an update or a refusal."""
+        return self.answered | set(self.refused) >= self.cohort

@@ -14,6 +14,7 @@ from .config import CoordinatorConfig
 from .coordinator import Coordinator, RoundFailed, record_dict
 from .metrics import Metrics
 from .report import format_round
+from .statelock import StateLock
 from .store import Store
 
 log = logging.getLogger("broker_coordinator")
@@ -27,8 +28,10 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     if config.metrics.port:
         metrics.serve(config.metrics.port, config.metrics.bind)
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
+    lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
     coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
-                              store=Store(config.storage.state_dir), metrics=metrics, device_keys=keys)
+                              store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
+                              metrics=metrics, device_keys=keys)
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -50,6 +53,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     finally:
         desk.stop()
         coordinator.close()
+        lock.release()
     echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
     return 0
 
@@ -74,11 +78,25 @@ def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # n
     return desk
 
 
+def rollback(config: CoordinatorConfig, to_round: int, echo: Callable[[str], None] = print) -> int:
+    """Make round `to_round`'s kept checkpoint the live one (the coordinator must be stopped)."""
+    with StateLock(config.storage.state_dir).acquire("roll back"):
+        store = Store(config.storage.state_dir, config.storage.keep_checkpoints)
+        try:
+            before = store.load_checkpoint()
+            ckpt = store.rollback(to_round)
+        finally:
+            store.close()
+    echo(f"rolled back from round {before.round if before else '?'} to round {ckpt.round}: model sha256 "
+         f"{ckpt.sha256[:12]}, served as version {ckpt.version}; the next 'run' starts at round {ckpt.round + 1}")
+    return 0
+
+
 def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     store = Store(config.storage.state_dir)
     try:
         ckpt = store.load_checkpoint()
-        rounds = [r for r in store.rounds() if r["closed"] != "abandoned"]
+        rounds = [r for r in store.rounds() if r["closed"] in ("complete", "deadline")]
         devices = store.devices()
     finally:
         store.close()

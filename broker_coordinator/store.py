@@ -5,6 +5,11 @@ Order of writes after a round: checkpoint file first (it holds the round's
 record too), then the database rows. On restart the checkpoint is the truth:
 the next round is checkpoint.round + 1, and a round whose rows did not reach
 the database is filled in from the checkpoint. So no round is aggregated twice.
+
+History is append-only: every attempt of every round is its own row (attempt
+numbers continue across restarts), and a rollback adds a `rollback` row
+instead of deleting what came after. The last `keep` checkpoints are kept in
+`checkpoints/`, so `broker-coordinator rollback --to ROUND` can go back.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import hashlib
 import json
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +29,11 @@ from edgefl_protocol.persist import atomic_write, pack, unpack
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, closed TEXT NOT NULL,
     selected INTEGER, participants INTEGER, accuracy REAL, loss REAL, bytes_up INTEGER,
-    seconds REAL, rejected TEXT, base_sha256 TEXT, model_sha256 TEXT, finished_at REAL,
-    PRIMARY KEY (round, attempt));
+    seconds REAL, rejected TEXT, base_sha256 TEXT, model_sha256 TEXT, finished_at REAL, reason TEXT);
+CREATE INDEX IF NOT EXISTS rounds_round ON rounds (round, attempt);
 CREATE TABLE IF NOT EXISTS device_rounds (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, device TEXT NOT NULL,
     accepted INTEGER NOT NULL, reason TEXT, metrics TEXT, at REAL NOT NULL);
@@ -36,6 +42,13 @@ CREATE TABLE IF NOT EXISTS presence (
     device TEXT PRIMARY KEY, online INTEGER NOT NULL, last_seen REAL NOT NULL, profile TEXT);
 """
 CHECKPOINT = "checkpoint.msgpack"
+HISTORY_DIR = "checkpoints"
+ROUND_COLUMNS = ("round", "attempt", "closed", "selected", "participants", "accuracy", "loss", "bytes_up",
+                 "seconds", "rejected", "base_sha256", "model_sha256", "finished_at", "reason")
+
+
+class StoreError(Exception):
+    """The state directory cannot do what was asked; the message says what to do."""
 
 
 def model_sha256(weights: dict[str, np.ndarray]) -> str:
@@ -52,38 +65,85 @@ class Checkpoint:
     server_state: dict[str, Any]
     record: dict[str, Any]
     served: dict[str, np.ndarray] | None = None  # the served moving average, when serve_average is on
+    trust: dict[str, Any] = field(default_factory=dict)  # SampleWeights and NormBound state (see trust)
 
 
 class Store:
-    def __init__(self, state_dir: Path | str) -> None:
+    def __init__(self, state_dir: Path | str, keep: int = 10) -> None:
         self.dir = Path(state_dir)
+        self.keep = keep
         self.dir.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.dir / "coordinator.db", check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        self._migrate()
         self.db.executescript(SCHEMA)
         self._device_rows: list[tuple] = []  # buffered: one transaction per round, not one per update
 
+    def _migrate(self) -> None:
+        """Databases written before history became append-only keyed rounds on (round, attempt)
+        and replaced rows; copy them into the new table once."""
+        columns = [r[1] for r in self.db.execute("PRAGMA table_info(rounds)")]
+        if not columns or "id" in columns:
+            return
+        shared = ", ".join(c for c in columns if c in ROUND_COLUMNS)
+        rounds_table = SCHEMA.split("CREATE TABLE IF NOT EXISTS device_rounds")[0]
+        self.db.executescript(f"BEGIN; ALTER TABLE rounds RENAME TO rounds_old; {rounds_table} "
+                              f"INSERT INTO rounds ({shared}) SELECT {shared} FROM rounds_old ORDER BY round, attempt; "
+                              "DROP TABLE rounds_old; COMMIT;")
+
     # checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
-        atomic_write(self.dir / CHECKPOINT, pack({
-            "round": ckpt.round, "version": ckpt.version, "arch": ckpt.arch, "weights": ckpt.weights,
-            "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record,
-            "served": ckpt.served}))
+        data = _pack_checkpoint(ckpt)
+        if self.keep > 0:  # the history first: the live checkpoint is never newer than what rollback can reach
+            history = self.dir / HISTORY_DIR
+            history.mkdir(mode=0o700, exist_ok=True)
+            atomic_write(history / f"round-{ckpt.round:06d}.msgpack", data)
+            for old in self.kept_rounds()[:-self.keep]:
+                (history / f"round-{old:06d}.msgpack").unlink(missing_ok=True)
+        atomic_write(self.dir / CHECKPOINT, data)
 
     def load_checkpoint(self) -> Checkpoint | None:
         path = self.dir / CHECKPOINT
         if not path.exists():
             return None
-        raw = unpack(path.read_bytes())
-        ckpt = Checkpoint(raw["round"], raw["version"], raw["arch"], raw["weights"], raw["sha256"],
-                          raw.get("server_state") or {}, raw.get("record") or {}, raw.get("served"))
-        if model_sha256(ckpt.weights) != ckpt.sha256:
-            raise ValueError(f"checkpoint {path} is corrupt: its weights do not match the recorded sha256")
-        if ckpt.record and not self.db.execute("SELECT 1 FROM rounds WHERE round = ? AND closed != 'abandoned'",
-                                               (ckpt.round,)).fetchone():
+        ckpt = _read_checkpoint(path)
+        if ckpt.record and not self.db.execute("SELECT 1 FROM rounds WHERE round = ? AND model_sha256 = ? AND "
+                                               "closed != 'abandoned'", (ckpt.round, ckpt.sha256)).fetchone():
             self.record_round(ckpt.record)  # the crash came between checkpoint and database
         return ckpt
+
+    def kept_rounds(self) -> list[int]:
+        history = self.dir / HISTORY_DIR
+        names = sorted(history.glob("round-*.msgpack")) if history.is_dir() else []
+        return [int(p.stem.split("-")[1]) for p in names if p.stem.split("-")[1].isdigit()]
+
+    def rollback(self, to_round: int) -> Checkpoint:
+        """Make the kept checkpoint of `to_round` the live one. Its model gets a new version number
+        (one past the newest), so that no device mistakes it for a model it already holds; the
+        rounds after it stay in the history, marked by a `rollback` row."""
+        path = self.dir / HISTORY_DIR / f"round-{to_round:06d}.msgpack"
+        if not path.exists():
+            kept = self.kept_rounds()
+            raise StoreError(f"no checkpoint of round {to_round} is kept in {path.parent}; kept rounds: "
+                             f"{', '.join(map(str, kept)) or 'none'} (raise [storage] keep_checkpoints to keep more)")
+        target = _read_checkpoint(path)
+        current = self.load_checkpoint()
+        newest = max([target.version] + ([current.version] if current else []))
+        target.version = newest + 1
+        atomic_write(self.dir / CHECKPOINT, _pack_checkpoint(target))
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("INSERT INTO rounds (round, attempt, closed, model_sha256, finished_at, reason) "
+                            "VALUES (?, 0, 'rollback', ?, ?, ?)",
+                            (to_round, target.sha256, time.time(),
+                             f"rolled back from round {current.round if current else '?'}; model version "
+                             f"{target.version}"))
+        return target
+
+    def last_attempt(self, round_no: int) -> int:
+        row = self.db.execute("SELECT MAX(attempt) FROM rounds WHERE round = ?", (round_no,)).fetchone()
+        return int(row[0] or 0)
 
     # rounds and devices -----------------------------------------------------------
     def record_round(self, r: dict[str, Any]) -> None:
@@ -96,10 +156,10 @@ class Store:
 
     def _insert_round(self, r: dict[str, Any]) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO rounds ({', '.join(ROUND_COLUMNS)}) VALUES ({', '.join('?' * len(ROUND_COLUMNS))})",
             (r["round"], r["attempt"], r["closed"], r["selected"], r["participants"], r["accuracy"], r["loss"],
              r["bytes_up"], r["seconds"], json.dumps(r["rejected"]), r.get("base_sha256"), r.get("model_sha256"),
-             time.time()))
+             time.time(), r.get("reason", "")))
 
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
                             metrics: dict[str, Any] | None) -> None:
@@ -113,7 +173,7 @@ class Store:
                         (device, int(online), time.time(), json.dumps(profile) if profile else None))
 
     def rounds(self) -> list[dict[str, Any]]:
-        cursor = self.db.execute("SELECT * FROM rounds ORDER BY round, attempt")
+        cursor = self.db.execute("SELECT * FROM rounds ORDER BY id")
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row)) for row in cursor.fetchall()]
 
@@ -127,3 +187,19 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _pack_checkpoint(ckpt: Checkpoint) -> bytes:
+    return pack({"round": ckpt.round, "version": ckpt.version, "arch": ckpt.arch, "weights": ckpt.weights,
+                 "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record,
+                 "served": ckpt.served, "trust": ckpt.trust})
+
+
+def _read_checkpoint(path: Path) -> Checkpoint:
+    raw = unpack(path.read_bytes())
+    ckpt = Checkpoint(raw["round"], raw["version"], raw["arch"], raw["weights"], raw["sha256"],
+                      raw.get("server_state") or {}, raw.get("record") or {}, raw.get("served"),
+                      raw.get("trust") or {})
+    if model_sha256(ckpt.weights) != ckpt.sha256:
+        raise ValueError(f"checkpoint {path} is corrupt: its weights do not match the recorded sha256")
+    return ckpt

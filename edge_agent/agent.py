@@ -11,6 +11,12 @@ that version's chunks only when it does not already hold the same bytes
 and verifies them. The delta goes out signed with the device's key, in the
 codec the task names; for top-k codecs the error-feedback residual is kept in
 the device state (saved once per round with the rest).
+
+A broker's acknowledgement is not delivery: the agent resends its update
+until the coordinator's receipt for that round and attempt arrives, or the
+deadline passes, and logs the verdict either way. A task it will not run
+(settings out of range, a model that does not fit) gets a signed refusal
+with the reason, so the coordinator can say why a round found no quorum.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.task_limits import check_training
 from edgefl_protocol.transport import Session
 from models.architectures import ARCHITECTURES, build_model, get_weights, set_weights
 from models.datasets import load_npz
@@ -44,26 +51,15 @@ MAX_MODEL_BYTES = 64 * 1024 * 1024
 MAX_MODEL_VALUES = 16 * 1024 * 1024
 MODEL_CACHE = "model.bin"
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
+RESEND_AFTER = 10.0  # seconds without a receipt before the update goes out again
 
 
 def local_settings(hp: dict) -> LocalSettings:
-    """The task's training settings, range-checked: a hostile task is rejected, not obeyed."""
-    try:
-        settings = LocalSettings(
-            epochs=int(hp.get("local_epochs", 2)), batch_size=int(hp.get("batch_size", 32)),
-            lr=float(hp.get("lr", 0.05)), momentum=float(hp.get("momentum", 0.0)),
-            weight_decay=float(hp.get("weight_decay", 1e-3)), grad_clip=float(hp.get("grad_clip", 10.0)))
-    except (TypeError, ValueError) as exc:
-        raise Rejected("schema", f"task hyper-parameters are not numbers: {exc}") from None
-    checks = [(0 <= settings.epochs <= 100, "local_epochs must be 0-100"),
-              (1 <= settings.batch_size <= 65536, "batch_size must be 1-65536"),
-              (0 < settings.lr <= 10, "lr must be in (0, 10]"), (0 <= settings.momentum < 1, "momentum must be in [0, 1)"),
-              (0 <= settings.weight_decay <= 1, "weight_decay must be in [0, 1]"),
-              (0 <= settings.grad_clip < float("inf"), "grad_clip must be >= 0")]
-    for ok, message in checks:
-        if not ok:
-            raise Rejected("schema", message)
-    return settings
+    """The task's training settings, range-checked (edgefl_protocol.task_limits): a hostile task is
+    refused, not obeyed."""
+    v = check_training(hp)
+    return LocalSettings(epochs=int(v["local_epochs"]), batch_size=int(v["batch_size"]), lr=v["lr"],
+                         momentum=v["momentum"], weight_decay=v["weight_decay"], grad_clip=v["grad_clip"])
 
 
 class Agent:
@@ -80,6 +76,9 @@ class Agent:
         if self.key is None:
             log.error("no signing_key in [device]: the coordinator will reject every update from %s", self.device)
         self.stopping = threading.Event()
+        self.receipts: dict[tuple[int, int], messages.Receipt] = {}  # (round, attempt) -> the coordinator's verdict
+        self.receipt_arrived = threading.Condition()
+        self.handled: list[tuple[int, int]] = []  # recent (round, attempt) tasks: a task delivered twice runs once
         self.busy = False
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
@@ -102,7 +101,8 @@ class Agent:
 
     # paho callbacks (network thread) -------------------------------------------------
     def _on_connect(self, client) -> None:  # noqa: ANN001
-        client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1)]
+        client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1),
+                          (topics.receipt(self.fed, self.device), 1)]
                          + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)])
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
         log.info("connected as %s", self.device)
@@ -111,6 +111,11 @@ class Agent:
         try:
             if msg.topic == topics.task(self.fed, self.device):
                 self.tasks.put_nowait(messages.decode_task(msg.payload))
+            elif msg.topic == topics.receipt(self.fed, self.device):
+                receipt = messages.decode_receipt(msg.payload)
+                with self.receipt_arrived:
+                    self.receipts[(receipt.round, receipt.attempt)] = receipt
+                    self.receipt_arrived.notify_all()
             elif (version := topics.parse_model_topic(msg.topic)) is not None and msg.payload:
                 release = messages.decode_model(msg.payload, MAX_MODEL_BYTES)
                 if release.version != version:
@@ -214,6 +219,10 @@ class Agent:
         return float(speeds[arch])
 
     def _handle(self, task: messages.Task) -> None:
+        if (task.round, task.attempt) in self.handled:
+            log.info("round %d (attempt %d): task delivered again; already handled", task.round, task.attempt)
+            return
+        self.handled = self.handled[-15:] + [(task.round, task.attempt)]
         try:
             self._work_on(task)
         finally:
@@ -243,14 +252,18 @@ class Agent:
             # tensors the server rule released with the model, e.g. FedSMOO's global perturbation
             self.released = {name: a for name, a in tensors.items() if name.startswith(EXTRA_PREFIX)}
             codec.parse(task.codec)
+            local_settings(task.hparams)
         except (ValueError, Rejected) as exc:
-            log.error("round %d: cannot use task: %s", task.round, exc)
+            refusal = exc if isinstance(exc, Rejected) else Rejected("task_unusable", str(exc))
+            log.error("round %d: refusing the task: %s", task.round, refusal)
+            self._refuse(task, refusal)
             return
         self._remember_model(release, body)
         try:
             self._train_and_send(task, release, algorithm, model)
         except Rejected as exc:
             log.error("round %d: task rejected: %s", task.round, exc)
+            self._refuse(task, exc)
         except Exception:  # a bug or a hostile task must not take the device's service down
             log.exception("round %d: task failed; waiting for the next one", task.round)
 
@@ -287,15 +300,44 @@ class Agent:
         if encoded.residual is None:
             ef.pop("residual")
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
-                                 encoded.body, encoded.codec, encoded.specs, self.fed)
+                                 encoded.body, encoded.codec, encoded.specs, self.fed, task.attempt)
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
         self.state.save()  # once per round: algorithm state, residuals, progress
         self._announce()  # idle before the update goes out, so the next round can select us at once
-        if self.session.publish_until(topics.update(self.fed, self.device),
-                                      messages.encode_update(update, self.key or b""), task.deadline):
-            log.info("round %d: sent update (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
-                     result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
-                     result.metrics["train_seconds"])
-        else:
-            log.warning("round %d: update not delivered before the deadline; dropped", task.round)
+        log.info("round %d: trained (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
+                 result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
+                 result.metrics["train_seconds"])
+        self._deliver(task, messages.encode_update(update, self.key or b""), "update")
+
+    def _refuse(self, task: messages.Task, why: Rejected) -> None:
+        refusal = messages.Refusal(self.device, task.round, task.attempt, why.reason, why.detail[:200], self.fed)
+        self._deliver(task, messages.encode_refusal(refusal, self.key or b""), "refusal")
+
+    def _deliver(self, task: messages.Task, payload: bytes, what: str) -> None:
+        """Publish, then wait for the coordinator's receipt; resend while none comes, until the deadline.
+        The log says what became of it, either way."""
+        key = (task.round, task.attempt)
+        topic = topics.update(self.fed, self.device)
+        sends = 0
+        while time.time() < task.deadline and not self.stopping.is_set():
+            if not self.session.publish_until(topic, payload, task.deadline):
+                break
+            sends += 1
+            with self.receipt_arrived:
+                self.receipt_arrived.wait_for(lambda: key in self.receipts or self.stopping.is_set(),
+                                              timeout=max(0.0, min(RESEND_AFTER, task.deadline - time.time())))
+                receipt = self.receipts.pop(key, None)
+                self.receipts = {k: r for k, r in self.receipts.items() if k[0] >= task.round - 2}
+            if receipt is None:
+                log.info("round %d: no receipt for the %s yet; sending it again", task.round, what)
+                continue
+            if receipt.accepted:
+                log.info("round %d: %s accepted by the coordinator%s", task.round, what,
+                         f" (sent {sends} times)" if sends > 1 else "")
+            else:
+                log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
+                            receipt.reason, receipt.detail)
+            return
+        log.warning("round %d: no receipt for the %s before the deadline (sent %d times); the coordinator may "
+                    "not have it", task.round, what, sends)

@@ -1,6 +1,6 @@
 """Message schemas. Every message is one msgpack map:
 
-    {"schema": 1, "kind": "task" | "update" | "model" | "status", ...header fields...,
+    {"schema": 1, "kind": "task" | "update" | "refusal" | "receipt" | "model" | "status", ...header fields...,
      "body": <bytes or absent>}
 
 Tensors ride in `body` as separately encoded bytes (see `codec`), described
@@ -27,6 +27,7 @@ from .topics import check_name
 
 Scalar = int | float | str | bool
 MAX_HEADER_FIELDS = 64
+MAX_STRING = 256  # characters of a string scalar a device may report (a metric, a reason)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Task:
     hparams: dict[str, Scalar] = field(default_factory=dict)
     broadcast: dict[str, Scalar] = field(default_factory=dict)
     codec: str = "float32"
+    attempt: int = 1  # rounds are retried with a new cohort; an answer is for one attempt
 
 
 @dataclass
@@ -55,6 +57,30 @@ class Update:
     codec: str = "float32"
     specs: list = field(default_factory=list)  # [[name, [dims...]], ...] as codec.Encoded.specs
     federation: str = ""
+    attempt: int = 1
+
+
+@dataclass
+class Refusal:
+    """A device's signed 'no' to a task it will not run (e.g. settings out of its range)."""
+
+    device: str
+    round: int
+    attempt: int
+    reason: str
+    detail: str
+    federation: str = ""
+
+
+@dataclass
+class Receipt:
+    """The coordinator's verdict on one answer: the device stops resending once it has it."""
+
+    round: int
+    attempt: int
+    accepted: bool
+    reason: str = ""  # the rejection reason; "" when accepted
+    detail: str = ""
 
 
 @dataclass
@@ -121,7 +147,23 @@ def _scalars(obj: dict[str, Any], name: str) -> dict[str, Scalar]:
             raise Rejected("schema", f"field {name!r} must map names to scalars")
         if isinstance(item, float) and not math.isfinite(item):
             raise Rejected("non_finite", f"{name}[{key!r}] is not finite")
+        if len(key) > MAX_STRING or (isinstance(item, str) and len(item) > MAX_STRING):
+            raise Rejected("schema", f"{name}[{key[:32]!r}] is longer than {MAX_STRING} characters")
     return value
+
+
+def _string(obj: dict[str, Any], name: str) -> str:
+    value = _field(obj, name, str)
+    if len(value) > MAX_STRING:
+        raise Rejected("schema", f"field {name!r} is longer than {MAX_STRING} characters")
+    return value
+
+
+def _attempt(obj: dict[str, Any]) -> int:
+    attempt = obj.get("attempt", 1)
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise Rejected("schema", f"field 'attempt' must be a positive integer, got {attempt!r}")
+    return attempt
 
 
 def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
@@ -134,6 +176,7 @@ def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
         hparams=_scalars(obj, "hparams"),
         broadcast=_scalars(obj, "broadcast"),
         codec=_field(obj, "codec", str),
+        attempt=_attempt(obj),
     )
 
 
@@ -142,17 +185,47 @@ def encode_update(update: Update, key: bytes) -> bytes:
     return signing.sign(encode("update", update), key)
 
 
+def encode_refusal(refusal: Refusal, key: bytes) -> bytes:
+    return signing.sign(encode("refusal", refusal), key)
+
+
+def decode_answer(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Update | Refusal:
+    """What a device published on its update topic: size cap, then the signature (with `sender`'s
+    key), and only then the header, which is an update or a refusal."""
+    if len(data) > max_bytes:
+        raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
+    payload = signing.verify(data, key, sender)
+    try:
+        kind = msgpack.unpackb(payload, raw=False, max_map_len=MAX_HEADER_FIELDS).get("kind")
+    except Exception:  # noqa: BLE001 - _unpack below says what is wrong
+        kind = "update"
+    if kind == "refusal":
+        obj = _unpack(payload, "refusal", max_bytes)
+        return Refusal(device=_device(obj), round=_field(obj, "round", int), attempt=_attempt(obj),
+                       reason=_string(obj, "reason"), detail=_string(obj, "detail"),
+                       federation=_field(obj, "federation", str))
+    return _update(_unpack(payload, "update", max_bytes))
+
+
 def decode_update(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Update:
     """Size cap, then the signature (with `sender`'s key), and only then the header."""
     if len(data) > max_bytes:
         raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
     payload = signing.verify(data, key, sender)
-    obj = _unpack(payload, "update", max_bytes)
+    return _update(_unpack(payload, "update", max_bytes))
+
+
+def _device(obj: dict[str, Any]) -> str:
     device = _field(obj, "device", str)
     try:
         check_name("device", device)
     except ValueError as exc:
         raise Rejected("schema", str(exc)) from None
+    return device
+
+
+def _update(obj: dict[str, Any]) -> Update:
+    device = _device(obj)
     update = Update(
         device=device,
         round=_field(obj, "round", int),
@@ -163,10 +236,17 @@ def decode_update(data: bytes, max_bytes: int, key: bytes | None, sender: str = 
         codec=_field(obj, "codec", str),
         specs=_field(obj, "specs", list),
         federation=_field(obj, "federation", str),
+        attempt=_attempt(obj),
     )
     if update.num_samples <= 0:
         raise Rejected("schema", f"num_samples must be positive, got {update.num_samples}")
     return update
+
+
+def decode_receipt(data: bytes, max_bytes: int = 4096) -> Receipt:
+    obj = _unpack(data, "receipt", max_bytes)
+    return Receipt(round=_field(obj, "round", int), attempt=_attempt(obj), accepted=_field(obj, "accepted", bool),
+                   reason=_string(obj, "reason"), detail=_field(obj, "detail", str))
 
 
 def decode_model(data: bytes, max_bytes: int) -> ModelRelease:

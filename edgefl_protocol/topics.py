@@ -3,7 +3,8 @@
     edgefl/<fed>/model/<version>      retained: the manifest of that global model version
     edgefl/<fed>/model/<version>/<i>  retained: its i-th raw chunk (fetched only by devices that need it)
     edgefl/<fed>/device/<id>/task     the device's work for a round
-    edgefl/<fed>/device/<id>/update   the device's answer (only it may write)
+    edgefl/<fed>/device/<id>/update   the device's answer, or its refusal of the task (only it may write)
+    edgefl/<fed>/device/<id>/receipt  the coordinator's verdict on each answer (the device resends until it has one)
     edgefl/<fed>/device/<id>/status   retained: online/offline and hardware profile
     edgefl/<fed>/device/<id>/enroll   the device's enrollment request (see `enrollment`)
     edgefl/<fed>/device/<id>/enrolled the coordinator's answer to it
@@ -52,6 +53,10 @@ def task(fed: str, device: str) -> str:
 
 def update(fed: str, device: str) -> str:
     return f"{ROOT}/{fed}/device/{device}/update"
+
+
+def receipt(fed: str, device: str) -> str:
+    return f"{ROOT}/{fed}/device/{device}/receipt"
 
 
 def status(fed: str, device: str) -> str:

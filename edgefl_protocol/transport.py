@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 log = logging.getLogger("edgefl.transport")
 MAX_QUEUED_MESSAGES = 1000  # bounded outgoing queue: a dead link must not eat the device's memory
@@ -27,14 +29,15 @@ class BrokerUnavailable(Exception):
 
 
 def make_client(client_id: str, username: str, password: str, reconnect_on_failure: bool = True,
-                tls_ca: str | None = None) -> mqtt.Client:
-    """An MQTT v5 client; with `tls_ca` (a CA certificate file) it speaks TLS and verifies the broker."""
+                tls_ca: str | None = None, max_queued: int = MAX_QUEUED_MESSAGES) -> mqtt.Client:
+    """An MQTT v5 client; with `tls_ca` (a CA certificate file) it speaks TLS and verifies the broker.
+    `max_queued` bounds paho's outgoing queue (0 = unbounded)."""
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5,
                          reconnect_on_failure=reconnect_on_failure)
     client.username_pw_set(username, password)
     if tls_ca:
         client.tls_set(ca_certs=tls_ca)
-    client.max_queued_messages_set(MAX_QUEUED_MESSAGES)
+    client.max_queued_messages_set(max_queued)
     return client
 
 
@@ -81,10 +84,15 @@ class Session:
     def __init__(self, client_id: str, username: str, password: str, host: str, port: int,
                  on_connect: Callable[[mqtt.Client], None], on_message: Callable[[mqtt.Client, mqtt.MQTTMessage], None],
                  keepalive: int = 60, will: tuple[str, bytes] | None = None,
-                 backoff_base: float = 1.0, backoff_cap: float = 60.0, tls_ca: str | None = None) -> None:
+                 backoff_base: float = 1.0, backoff_cap: float = 60.0, tls_ca: str | None = None,
+                 session_expiry: int = 0, max_queued: int = MAX_QUEUED_MESSAGES) -> None:
+        """`session_expiry` > 0 asks for a persistent session: the broker keeps the subscriptions and
+        queues QoS 1 messages for that many seconds while we are away, and delivers them on reconnect."""
         self.host, self.port, self.keepalive = host, port, keepalive
         self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
-        self.client = make_client(client_id, username, password, reconnect_on_failure=False, tls_ca=tls_ca)
+        self.session_expiry = session_expiry
+        self.client = make_client(client_id, username, password, reconnect_on_failure=False, tls_ca=tls_ca,
+                                  max_queued=max_queued)
         if will:
             self.client.will_set(will[0], will[1], qos=1, retain=True)
         self.client.on_connect = self._on_connect
@@ -114,7 +122,13 @@ class Session:
         attempt = 0
         while not self._stopping.is_set():
             try:
-                self.client.connect(self.host, self.port, keepalive=self.keepalive)
+                if self.session_expiry:
+                    props = Properties(PacketTypes.CONNECT)
+                    props.SessionExpiryInterval = self.session_expiry
+                    self.client.connect(self.host, self.port, keepalive=self.keepalive, clean_start=False,
+                                        properties=props)
+                else:
+                    self.client.connect(self.host, self.port, keepalive=self.keepalive)
             except OSError as exc:
                 log.warning("cannot reach broker %s:%d: %s", self.host, self.port, exc)
             else:
@@ -159,6 +173,28 @@ class Session:
                 return True
             time.sleep(0.2)
         return False
+
+    def publish_all(self, messages: list[tuple[str, bytes]], deadline: float, qos: int = 1) -> list[str]:
+        """Publish every (topic, payload) and wait until the broker has acknowledged each, retrying what
+        paho could not queue or what a reconnect lost, until `deadline`. Returns the topics that never
+        got through (each should be logged by the caller with what it meant)."""
+        pending = dict(enumerate(messages))
+        while pending and time.time() < deadline and not self._stopping.is_set():
+            if not self.connected.wait(min(1.0, max(0.0, deadline - time.time()))):
+                continue
+            infos = {i: self.client.publish(topic, payload, qos=qos) for i, (topic, payload) in pending.items()}
+            for i, info in infos.items():
+                if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                    continue  # not queued (queue full, or the link dropped): the next pass retries it
+                try:
+                    info.wait_for_publish(timeout=min(10.0, max(0.1, deadline - time.time())))
+                except (RuntimeError, ValueError):
+                    continue
+                if info.is_published():
+                    pending.pop(i)
+            if pending:
+                time.sleep(0.2)
+        return [messages[i][0] for i in sorted(pending)]
 
     def stop(self, last_words: tuple[str, bytes] | None = None) -> None:
         """Optionally publish one retained message (e.g. status offline), then disconnect cleanly."""

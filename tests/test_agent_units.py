@@ -11,7 +11,7 @@ def test_task_settings_are_read_with_defaults():
 
 @pytest.mark.parametrize("hp,message", [
     ({"batch_size": 0}, "batch_size"), ({"local_epochs": -1}, "local_epochs"), ({"lr": -0.1}, "lr"),
-    ({"momentum": 1.0}, "momentum"), ({"lr": "fast"}, "not numbers"), ({"local_epochs": 10**6}, "local_epochs"),
+    ({"momentum": 1.0}, "momentum"), ({"lr": "fast"}, "must be a number"), ({"local_epochs": 10**6}, "local_epochs"),
 ])
 def test_hostile_task_settings_are_rejected(hp, message):
     with pytest.raises(Rejected, match=message):

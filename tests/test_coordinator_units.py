@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from broker_coordinator.aggregation import StreamingMean
+from broker_coordinator.robust import RobustRound
 from broker_coordinator.rounds import Round, RoundState
 from broker_coordinator.selection import select
 from edgefl_protocol.transport import backoff_delay
@@ -84,7 +85,7 @@ def _coordinator_and_round(tmp_path):
 
     c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32"), store=Store(tmp_path),
                     device_keys={d: KEY for d in ("d1", "d2", "d9")})
-    return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, StreamingMean(c.specs))
+    return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound))
 
 
 KEY = b"unit-test-key-0123456789abcdef01"
@@ -122,12 +123,13 @@ def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
     c, rnd = _coordinator_and_round(tmp_path)
     good = lambda d: _signed(d, {"steps": 1}, {k: np.zeros_like(v) for k, v in c.weights.items()})  # noqa: E731
     c._on_update(rnd, "d1", good("d1"), time.time())
-    c._on_update(rnd, "d1", good("d1"), time.time())
+    c._on_update(rnd, "d1", good("d1"), time.time())  # the same bytes again: a resend, answered, not folded
+    other = _signed("d1", {"steps": 2}, {k: np.zeros_like(v) for k, v in c.weights.items()})
+    c._on_update(rnd, "d1", other, time.time())  # another update for the same round and attempt: a replay
     c._on_update(rnd, "d9", good("d9"), time.time())
     c._on_update(rnd, "d2", good("d1"), time.time())  # d2's topic, d1's claim
-    # the same device and round twice is a replay (it was "duplicate" before updates were signed)
     assert (c.rejections["replay"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
-    assert rnd.aggregate.count == 1
+    assert sum(c.rejections.values()) == 3 and rnd.aggregate.count == 1
 
 
 def _update(c, device="d1", *, federation="u", model_version=0, codec_name="float32", scale=0.0):

@@ -1,0 +1,103 @@
+"""One round's fold of client deltas, robust to the devices that lie.
+
+Every delta is first scaled down to the adaptive norm bound (`trust.NormBound`),
+then combined by one of (`RoundSettings.aggregator`):
+
+- `mean` (default): the weighted mean, streamed (memory O(model)) once the
+  bound is known; on a cold start the first round's updates are held until
+  it closes, then clipped against the median of their own norms.
+- `trimmed_mean`: per coordinate, drop the `trim` fraction of largest and of
+  smallest values, average the rest (Yin et al., ICML 2018). Unweighted.
+- `median`: per coordinate median (Yin et al., ICML 2018). Unweighted.
+
+The last two hold the round's deltas (memory O(cohort x model)) and ignore
+sample weights and step normalization: that is their price.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .aggregation import StreamingMean
+from .trust import NormBound
+
+AGGREGATORS = ("mean", "trimmed_mean", "median")
+
+
+@dataclass
+class Held:
+    device: str
+    delta: dict[str, np.ndarray]
+    weight: float
+    steps: int
+    norm: float
+
+
+def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.dot(a.ravel().astype(np.float64), a.ravel())) for a in tensors.values())))
+
+
+class RobustRound:
+    def __init__(self, specs: Mapping[str, tuple[int, ...]], bound: NormBound, aggregator: str = "mean",
+                 trim: float = 0.2, normalize_steps: bool = False) -> None:
+        if aggregator not in AGGREGATORS:
+            raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
+        self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
+        self.stream = StreamingMean(specs, normalize_steps=normalize_steps)
+        self.held: list[Held] = []
+        self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
+        self.count = 0
+
+    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1) -> None:
+        if not weight > 0:
+            raise ValueError(f"aggregation weight must be positive, got {weight}")
+        norm = l2_norm(delta)
+        self.count += 1
+        bound = self.bound.bound()
+        if self.aggregator == "mean" and (bound is not None or not self.bound.enabled):
+            self.stream.add(self._clip(device, delta, norm, bound), weight, steps)
+        else:
+            self.held.append(Held(device, {n: np.asarray(a, dtype=np.float32) for n, a in delta.items()},
+                                  weight, steps, norm))
+
+    def _clip(self, device: str, delta: Mapping[str, np.ndarray], norm: float,
+              bound: float | None) -> Mapping[str, np.ndarray]:
+        if bound is None:
+            return delta
+        self.bound.record(min(norm, bound))
+        if norm <= bound:
+            return delta
+        self.clipped[device] = (norm, bound)
+        scale = bound / norm
+        return {name: a * scale for name, a in delta.items()}
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The round's aggregate delta (called once, when the round closes)."""
+        if self.count == 0:
+            raise ValueError("no updates were folded in")
+        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
+        clipped = [(h, self._clip(h.device, h.delta, h.norm, bound)) for h in self.held]
+        self.held = []
+        if self.aggregator == "mean":
+            for h, delta in clipped:
+                self.stream.add(delta, h.weight, h.steps)
+            return self.stream.mean()
+        out = {}
+        for name in self.specs:
+            stack = np.stack([delta[name] for _, delta in clipped]).astype(np.float64)
+            out[name] = (np.median(stack, axis=0) if self.aggregator == "median"
+                         else trimmed_mean(stack, self.trim)).astype(np.float32)
+        return out
+
+
+def trimmed_mean(stack: np.ndarray, trim: float) -> np.ndarray:
+    """Mean over axis 0 after dropping the `trim` fraction from each end (at least one value kept)."""
+    n = stack.shape[0]
+    k = min(int(np.floor(trim * n)), (n - 1) // 2)
+    if k == 0:
+        return stack.mean(axis=0)
+    ordered = np.sort(stack, axis=0)
+    return ordered[k:n - k].mean(axis=0)

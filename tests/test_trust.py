@@ -1,0 +1,135 @@
+"""What a device's update may weigh and how far it may move the model (trust.py, robust.py),
+and the checkpoint history behind `rollback` (store.py). Units: no broker needed."""
+
+import sqlite3
+import time
+
+import numpy as np
+import pytest
+
+from broker_coordinator.robust import RobustRound, trimmed_mean
+from broker_coordinator.trust import NormBound, SampleWeights
+
+SPECS = {"w": (4,)}
+
+
+def test_a_claimed_sample_count_cannot_outweigh_the_federation():
+    weights = SampleWeights("capped", cap_factor=2.0)
+    weights.start_round()  # cold start: nobody is known, every weight of the round is 1
+    assert [weights.weigh(d, n).weight for d, n in [("a", 100), ("b", 200), ("c", 300), ("x", 2**62)]] == [1] * 4
+    weights.start_round()  # now the median of trusted counts (250) bounds everyone
+    assert weights.weigh("a", 100).weight == 100
+    inflated = weights.weigh("x", 2**62)
+    assert inflated.weight == pytest.approx(2 * 250) and "clipped" in inflated.note
+    weights.start_round()
+    jump = weights.weigh("a", 10_000)  # a device's own count may not jump more than 2x per report
+    assert jump.weight == 200 and "jumped from 100" in jump.note
+
+
+def test_uniform_and_reported_weights():
+    assert SampleWeights("uniform").weigh("a", 500).weight == 1.0
+    assert SampleWeights("reported").weigh("a", 500).weight == 500.0
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        SampleWeights("loudest")
+
+
+def test_weights_and_norm_history_survive_a_checkpoint():
+    weights, bound = SampleWeights(), NormBound(window=3)
+    weights.known = {"a": 10.0}
+    for n in (1.0, 2.0, 3.0, 4.0):
+        bound.record(n)
+    again_w, again_b = SampleWeights(), NormBound(window=3)
+    again_w.load_state(weights.state())
+    again_b.load_state(bound.state())
+    assert again_w.known == {"a": 10.0} and list(again_b.history) == [2.0, 3.0, 4.0]
+
+
+def test_a_huge_delta_is_clipped_to_the_median_of_recent_norms():
+    bound = NormBound(multiplier=1.5, warmup=3)
+    for n in (1.0, 1.0, 1.0):
+        bound.record(n)
+    rnd = RobustRound(SPECS, bound)
+    rnd.add("honest", {"w": np.full(4, 0.5, np.float32)}, 1.0)  # norm 1
+    rnd.add("attacker", {"w": np.full(4, 5e5, np.float32)}, 1.0)  # norm 1e6
+    mean = rnd.mean()["w"]
+    assert np.allclose(mean, (0.5 + 1.5 * 0.5) / 2)  # clipped to norm 1.5, same direction
+    assert rnd.clipped["attacker"] == (pytest.approx(1e6), pytest.approx(1.5))
+    assert max(bound.history) == pytest.approx(1.5)  # the history records the clipped norm, not the claim
+
+
+def test_a_cold_start_holds_the_first_round_and_clips_against_its_own_median():
+    rnd = RobustRound(SPECS, NormBound(multiplier=1.5, warmup=5))
+    for i in range(4):
+        rnd.add(f"d{i}", {"w": np.full(4, 0.5, np.float32)}, 1.0)
+    rnd.add("attacker", {"w": np.full(4, -1e6, np.float32)}, 1.0)
+    assert len(rnd.held) == 5
+    mean = rnd.mean()["w"]
+    assert np.allclose(mean, (4 * 0.5 - 0.75) / 5)
+
+
+@pytest.mark.parametrize("aggregator", ["trimmed_mean", "median"])
+def test_robust_aggregators_ignore_a_minority_of_outliers(aggregator):
+    bound = NormBound(multiplier=0)  # no clipping: the aggregator alone
+    rnd = RobustRound(SPECS, bound, aggregator, trim=0.2)
+    for i in range(8):
+        rnd.add(f"d{i}", {"w": np.full(4, 1.0 + 0.01 * i, np.float32)}, 1.0)
+    rnd.add("x", {"w": np.full(4, 1e6, np.float32)}, 1.0)
+    rnd.add("y", {"w": np.full(4, -1e6, np.float32)}, 1.0)
+    assert np.all(np.abs(rnd.mean()["w"] - 1.035) < 0.05)
+
+
+def test_trimmed_mean_keeps_at_least_one_value():
+    assert trimmed_mean(np.array([[1.0], [5.0]]), 0.49)[0] == 3.0
+    assert trimmed_mean(np.array([[1.0], [2.0], [100.0]]), 0.4)[0] == 2.0
+
+
+def test_settings_refuse_what_agents_refuse_and_unknown_aggregators():
+    from broker_coordinator.coordinator import RoundSettings
+    with pytest.raises(ValueError, match="local_epochs must be a whole number 0-100"):
+        RoundSettings(local_epochs=150).validate()
+    with pytest.raises(ValueError, match="aggregator must be one of"):
+        RoundSettings(aggregator="krum").validate()
+    with pytest.raises(ValueError, match="norm_bound must be 0"):
+        RoundSettings(norm_bound=0.5).validate()
+
+
+def _checkpoint(round_no, value):
+    from broker_coordinator.store import Checkpoint, model_sha256
+    weights = {"w": np.full(2, value, np.float32)}
+    return Checkpoint(round_no, round_no, "digits_mlp", weights, model_sha256(weights), {}, {})
+
+
+def test_rollback_goes_back_under_a_new_version_and_keeps_the_history(tmp_path):
+    from broker_coordinator.store import Store, StoreError
+    store = Store(tmp_path, keep=3)
+    for r in range(1, 6):
+        store.save_checkpoint(_checkpoint(r, float(r)))
+        store.record_round({"round": r, "attempt": 1, "closed": "complete", "selected": 2, "participants": 2,
+                            "accuracy": 0.5, "loss": 1.0, "bytes_up": 10, "seconds": 1.0, "rejected": {}})
+    assert store.kept_rounds() == [3, 4, 5]
+    with pytest.raises(StoreError, match="kept rounds: 3, 4, 5"):
+        store.rollback(1)
+    ckpt = store.rollback(3)
+    assert ckpt.round == 3 and ckpt.version == 6  # one past the newest version any device may hold
+    live = Store(tmp_path).load_checkpoint()
+    assert live.round == 3 and live.weights["w"][0] == 3.0
+    rows = store.rounds()
+    assert [r["closed"] for r in rows] == ["complete"] * 5 + ["rollback"]  # nothing deleted or replaced
+
+
+def test_attempts_are_never_overwritten_and_old_databases_migrate(tmp_path):
+    from broker_coordinator.store import Store
+    db = sqlite3.connect(tmp_path / "coordinator.db")  # the schema before history became append-only
+    db.execute("CREATE TABLE rounds (round INTEGER NOT NULL, attempt INTEGER NOT NULL, closed TEXT NOT NULL, "
+               "selected INTEGER, participants INTEGER, accuracy REAL, loss REAL, bytes_up INTEGER, seconds REAL, "
+               "rejected TEXT, base_sha256 TEXT, model_sha256 TEXT, finished_at REAL, PRIMARY KEY (round, attempt))")
+    db.execute("INSERT INTO rounds VALUES (1, 1, 'abandoned', 2, 0, NULL, NULL, 0, 1.0, '{}', 'a', 'a', ?)",
+               (time.time(),))
+    db.commit()
+    db.close()
+    store = Store(tmp_path)
+    assert store.last_attempt(1) == 1
+    row = {"round": 1, "attempt": 1, "closed": "abandoned", "selected": 2, "participants": 0, "accuracy": None,
+           "loss": None, "bytes_up": 0, "seconds": 1.0, "rejected": {}}
+    store.record_round(row)  # the same (round, attempt) again is a new row, not a replacement
+    assert len(store.rounds()) == 2
