@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -257,6 +258,8 @@ def main() -> None:
     parser.add_argument("--state")
     parser.add_argument("--result")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so every `finally` stops the broker and swarm processes it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.mode == "_coordinator":
         coordinator_worker(args)
         return

@@ -50,6 +50,7 @@ def render_acl(federation: str, coordinator_user: str = COORDINATOR_USER) -> str
         f"pattern write {base}/device/%u/update\n"
         f"pattern readwrite {base}/device/%u/status\n"
         f"pattern read {base}/device/%u/task\n"
+        f"pattern read {base}/device/%u/receipt\n"
         f"pattern write {base}/device/%u/enroll\n"
         f"pattern read {base}/device/%u/enrolled\n"
         f"pattern read {base}/model/#\n"

@@ -579,6 +579,8 @@ class Coordinator:
         while True:
             attempt += 1
             self.attempts[round_no] = attempt
+            if self.store:
+                self.store.start_attempt(round_no, attempt)
             rnd = self._attempt(round_no, attempt)
             if rnd.state == RoundState.CLOSED:
                 break
@@ -591,8 +593,32 @@ class Coordinator:
                 raise RoundFailed(f"round {round_no} abandoned: {rnd.reason}")
             if self.settings.max_attempts and attempt >= self.settings.max_attempts:
                 raise RoundFailed(f"round {round_no} found no quorum in {attempt} attempts: {rnd.reason}")
-        self.closed_at[round_no] = time.time()
+        return self._conclude(rnd, base_sha)
 
+    def fold_round(self, answers: Mapping[str, bytes], round_no: int | None = None) -> RoundRecord:
+        """A round without a broker: the answers (device -> signed payload, as published) go through
+        the same validation, trust bounds and fold as over MQTT. For benchmarks and tests."""
+        round_no = round_no or self.next_round
+        base_sha = model_sha256(self.weights)
+        self.server_rule.start_round(round_no, len(answers))
+        self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
+        self.sample_weights.start_round()
+        s = self.settings
+        rnd = Round(round_no, 1, set(answers), time.time() + s.round_timeout, self.version,
+                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps))
+        rnd.move(RoundState.COLLECTING)
+        for device, payload in answers.items():
+            self._on_update(rnd, device, payload, time.time())
+        if rnd.aggregate.count == 0:
+            rnd.move(RoundState.ABANDONED, "no update was accepted")
+            raise RoundFailed(f"round {round_no}: no update was accepted ({dict(rnd.rejected)})")
+        rnd.move(RoundState.CLOSED)
+        return self._conclude(rnd, base_sha)
+
+    def _conclude(self, rnd: Round, base_sha: str) -> RoundRecord:
+        """A closed round: the server rule's new global model, evaluation, checkpoint."""
+        round_no = rnd.number
+        self.closed_at[round_no] = time.time()
         self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
                                                    self.extras.mean() if self.extras is not None else None)
         self.version += 1

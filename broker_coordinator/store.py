@@ -38,6 +38,8 @@ CREATE TABLE IF NOT EXISTS device_rounds (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, device TEXT NOT NULL,
     accepted INTEGER NOT NULL, reason TEXT, metrics TEXT, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS device_rounds_device ON device_rounds (device, round);
+CREATE TABLE IF NOT EXISTS attempts (
+    round INTEGER NOT NULL, attempt INTEGER NOT NULL, started_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS presence (
     device TEXT PRIMARY KEY, online INTEGER NOT NULL, last_seen REAL NOT NULL, profile TEXT);
 """
@@ -141,8 +143,14 @@ class Store:
                              f"{target.version}"))
         return target
 
+    def start_attempt(self, round_no: int, attempt: int) -> None:
+        """Written before any task of the attempt goes out: after a crash, the next attempt of the
+        round gets a new number, so an answer to the lost attempt cannot pass for an answer to it."""
+        self.db.execute("INSERT INTO attempts VALUES (?, ?, ?)", (round_no, attempt, time.time()))
+
     def last_attempt(self, round_no: int) -> int:
-        row = self.db.execute("SELECT MAX(attempt) FROM rounds WHERE round = ?", (round_no,)).fetchone()
+        row = self.db.execute("SELECT MAX(a) FROM (SELECT MAX(attempt) AS a FROM rounds WHERE round = ? UNION ALL "
+                              "SELECT MAX(attempt) FROM attempts WHERE round = ?)", (round_no, round_no)).fetchone()
         return int(row[0] or 0)
 
     # rounds and devices -----------------------------------------------------------

@@ -111,6 +111,8 @@ class Agent:
         try:
             if msg.topic == topics.task(self.fed, self.device):
                 self.tasks.put_nowait(messages.decode_task(msg.payload))
+                with self.receipt_arrived:  # a delivery still waiting for its receipt is superseded
+                    self.receipt_arrived.notify_all()
             elif msg.topic == topics.receipt(self.fed, self.device):
                 receipt = messages.decode_receipt(msg.payload)
                 with self.receipt_arrived:
@@ -324,11 +326,18 @@ class Agent:
             if not self.session.publish_until(topic, payload, task.deadline):
                 break
             sends += 1
+            resend_at = min(time.time() + RESEND_AFTER, task.deadline)
             with self.receipt_arrived:
-                self.receipt_arrived.wait_for(lambda: key in self.receipts or self.stopping.is_set(),
-                                              timeout=max(0.0, min(RESEND_AFTER, task.deadline - time.time())))
+                # short waits: a SIGTERM sets `stopping` without notifying anyone
+                while not (key in self.receipts or self.stopping.is_set() or not self.tasks.empty()
+                           or time.time() >= resend_at):
+                    self.receipt_arrived.wait(min(0.5, max(0.0, resend_at - time.time())))
                 receipt = self.receipts.pop(key, None)
                 self.receipts = {k: r for k, r in self.receipts.items() if k[0] >= task.round - 2}
+            if receipt is None and not self.tasks.empty():
+                log.warning("round %d: a new task arrived before the receipt for the %s (sent %d times); "
+                            "the coordinator moved on without it", task.round, what, sends)
+                return
             if receipt is None:
                 log.info("round %d: no receipt for the %s yet; sending it again", task.round, what)
                 continue

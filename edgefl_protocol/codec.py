@@ -214,11 +214,12 @@ def check_specs(specs: object, expected: TensorSpecs | None, max_values: int) ->
         if name in seen:
             raise Rejected("schema", f"tensor {name!r} is declared twice")
         seen.add(name)
+        if expected is not None and expected.get(name) != shape:  # a tensor we do not expect is a shape error
+            what = f"expected {expected[name]}" if name in expected else "no such tensor is expected"
+            raise Rejected("shape", f"tensor {name!r} has shape {shape}, {what}")
         total += math.prod(shape)
         if total > max_values:
             raise Rejected("oversized", f"tensors declare more than the cap of {max_values} values")
-        if expected is not None and expected.get(name) != shape:
-            raise Rejected("shape", f"tensor {name!r} has shape {shape}, expected {expected.get(name)}")
         out.append((name, shape))
     if expected is not None and len(out) != len(expected):
         missing = sorted(set(expected) - seen)

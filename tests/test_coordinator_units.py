@@ -199,3 +199,69 @@ def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
     assert all(np.array_equal(again.served.weights[k], served[k]) for k in served)
     with pytest.raises(ValueError, match="serve_average"):
         RoundSettings(serve_average=1.5).validate()
+
+
+def _update_for(c, device, round_no=1, attempt=1, metrics=None, num_samples=10):
+    import msgpack
+
+    from edgefl_protocol import messages
+
+    tensors = {k: np.zeros_like(v) for k, v in c.weights.items()}
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    return messages.encode_update(messages.Update(device, round_no, 0, num_samples, metrics or {"steps": 1}, body,
+                                                  "float32", specs, "u", attempt), KEY)
+
+
+def test_an_update_accepted_in_an_abandoned_attempt_may_answer_the_next_attempt(tmp_path):
+    c, first = _coordinator_and_round(tmp_path)
+    c._on_update(first, "d1", _update_for(c, "d1", attempt=1), time.time())
+    assert first.aggregate.count == 1
+    second = Round(1, 2, {"d1", "d2"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound))
+    c._on_update(second, "d1", _update_for(c, "d1", attempt=1), time.time())  # the old answer, resent: not refolded
+    c._on_update(second, "d1", _update_for(c, "d1", attempt=1, metrics={"steps": 3}), time.time())
+    assert c.rejections["replay"] == 1 and second.aggregate.count == 0
+    c._on_update(second, "d1", _update_for(c, "d1", attempt=2), time.time())
+    assert second.aggregate.count == 1 and sum(c.rejections.values()) == 1
+
+
+def test_a_refusal_completes_the_device_and_its_reason_is_kept(tmp_path):
+    from edgefl_protocol import messages
+    c, rnd = _coordinator_and_round(tmp_path)
+    refusal = messages.Refusal("d1", 1, 1, "task_settings", "local_epochs must be a whole number 0-100", "u")
+    c._on_update(rnd, "d1", messages.encode_refusal(refusal, KEY), time.time())
+    c._on_update(rnd, "d2", _update_for(c, "d2"), time.time())
+    assert rnd.complete and rnd.refused == {"d1": "task_settings: local_epochs must be a whole number 0-100"}
+    assert rnd.aggregate.count == 1
+
+
+def test_long_string_metrics_and_unexpected_tensors_are_rejected_with_their_reason(tmp_path):
+    import msgpack
+
+    from edgefl_protocol import messages
+    c, rnd = _coordinator_and_round(tmp_path)
+    c._on_update(rnd, "d1", _update_for(c, "d1", metrics={"steps": 1, "note": "x" * 1_000}), time.time())
+    assert c.rejections["schema"] == 1
+    tensors = {**{k: np.zeros_like(v) for k, v in c.weights.items()}, "extra.smuggled": np.zeros(3, np.float32)}
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    data = messages.encode_update(messages.Update("d2", 1, 0, 10, {"steps": 1}, body, "float32", specs, "u"), KEY)
+    c._on_update(rnd, "d2", data, time.time())
+    assert c.rejections["shape"] == 1 and c.rejections["oversized"] == 0 and rnd.aggregate.count == 0
+
+
+def test_only_devices_the_registry_admits_are_selected(tmp_path):
+    c, _ = _coordinator_and_round(tmp_path)
+    c.online = {"d1": {}, "d2": {}, "stranger": {}}
+    c.admission = lambda d: None if d in ("d1", "d2") else ("unknown_device", f"{d} is not in the registry")
+    assert sorted(c.eligible()) == ["d1", "d2"]
+
+
+def test_an_inflated_sample_count_does_not_buy_the_round(tmp_path):
+    """The attack of issue 10: 2^62 claimed samples made the global step the attacker's delta."""
+    c, rnd = _coordinator_and_round(tmp_path)
+    c.sample_weights.known = {"a": 100.0, "b": 100.0, "c": 100.0}
+    c.sample_weights.start_round()
+    c._on_update(rnd, "d1", _update_for(c, "d1", num_samples=2**62), time.time())
+    c._on_update(rnd, "d2", _update_for(c, "d2", num_samples=100), time.time())
+    assert rnd.device_metrics["d1"]["weight"] == 200.0 and rnd.weights_clipped == 1
