@@ -50,6 +50,7 @@ FRACTIONS = (0.1, 0.3)
 AGGREGATIONS: dict[str, dict] = {
     "unprotected": {"weighting": "reported", "norm_bound": 0.0, "aggregator": "mean"},
     "default": {},
+    "clipped_mean": {"aggregator": "mean"},
     "trimmed_mean": {"aggregator": "trimmed_mean"},
     "median": {"aggregator": "median"},
 }
@@ -179,7 +180,7 @@ def report(rounds: int, seed: int) -> dict:
         runs[(r["attack"], r["fraction"], r["aggregation"])] = r
     clean = runs.get(("clean", 0.0, "default"))
     out = {"clean": clean["final_accuracy"] if clean else None, "default_aggregator": "default",
-           "default_settings": "weighting=capped (2x median), norm_bound=1.5x median of recent norms, mean",
+           "default_settings": "weighting=capped (2x median), norm_bound=1.5x median of recent norms, gated_mean",
            "clean_by_aggregator": {a: r["final_accuracy"] for (k, _, a), r in runs.items() if k == "clean"},
            "runs": {}, "setup": {"partition": "bench/data mnist5k_dir01_20clients", "clients_per_round": 10,
                                  "rounds": rounds, "seed": seed, "codec": "default (topk0.1+q4c64+zlib)"}}

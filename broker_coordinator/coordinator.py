@@ -79,7 +79,7 @@ class RoundSettings:
     weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
     weight_cap: float = 2.0  # capped: at most this times the median trusted sample count
     norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
-    aggregator: str = "mean"  # mean | trimmed_mean | median (see broker_coordinator/robust.py)
+    aggregator: str = "gated_mean"  # gated_mean | mean | trimmed_mean | median (see broker_coordinator/robust.py)
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
@@ -653,6 +653,12 @@ class Coordinator:
             self.metrics.rejected.labels("norm_clipped").inc()
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
+        for device, cosine in rnd.aggregate.gated.items():
+            log.warning("round %d: update from %s left out: it points away from the round's median "
+                        "(cosine %.2f)", rnd.number, device, cosine)
+            self.metrics.rejected.labels("direction").inc()
+        if rnd.aggregate.gated:
+            clipped["direction"] = len(rnd.aggregate.gated)
         return RoundRecord(rnd.number, rnd.attempt, rnd.aggregate.count, len(rnd.cohort), accuracy, loss,
                            rnd.bytes_up, time.time() - rnd.started, dict(rnd.rejected), closed, base_sha,
                            model_sha, rnd.device_metrics, clipped, dict(rnd.refused), rnd.reason)

@@ -48,7 +48,7 @@ def test_a_huge_delta_is_clipped_to_the_median_of_recent_norms():
     bound = NormBound(multiplier=1.5, warmup=3)
     for n in (1.0, 1.0, 1.0):
         bound.record(n)
-    rnd = RobustRound(SPECS, bound)
+    rnd = RobustRound(SPECS, bound, "mean")
     rnd.add("honest", {"w": np.full(4, 0.5, np.float32)}, 1.0)  # norm 1
     rnd.add("attacker", {"w": np.full(4, 5e5, np.float32)}, 1.0)  # norm 1e6
     mean = rnd.mean()["w"]
@@ -58,7 +58,7 @@ def test_a_huge_delta_is_clipped_to_the_median_of_recent_norms():
 
 
 def test_a_cold_start_holds_the_first_round_and_clips_against_its_own_median():
-    rnd = RobustRound(SPECS, NormBound(multiplier=1.5, warmup=5))
+    rnd = RobustRound(SPECS, NormBound(multiplier=1.5, warmup=5), "mean")
     for i in range(4):
         rnd.add(f"d{i}", {"w": np.full(4, 0.5, np.float32)}, 1.0)
     rnd.add("attacker", {"w": np.full(4, -1e6, np.float32)}, 1.0)
@@ -133,3 +133,17 @@ def test_attempts_are_never_overwritten_and_old_databases_migrate(tmp_path):
            "loss": None, "bytes_up": 0, "seconds": 1.0, "rejected": {}}
     store.record_round(row)  # the same (round, attempt) again is a new row, not a replacement
     assert len(store.rounds()) == 2
+
+
+def test_the_gate_leaves_out_a_reversed_update_and_keeps_the_majority():
+    rng = np.random.default_rng(0)
+    common = rng.standard_normal(64).astype(np.float32)
+    bound = NormBound(multiplier=0)
+    rnd = RobustRound({"w": (64,)}, bound, "gated_mean")
+    honest = [common + 0.8 * rng.standard_normal(64).astype(np.float32) for _ in range(7)]
+    for i, d in enumerate(honest):
+        rnd.add(f"h{i}", {"w": d}, 1.0)
+    rnd.add("flip", {"w": -4 * honest[0]}, 1.0)
+    mean = rnd.mean()["w"]
+    assert set(rnd.gated) == {"flip"} and rnd.gated["flip"] < 0
+    assert np.allclose(mean, np.mean(honest, axis=0), atol=1e-5)
