@@ -275,7 +275,7 @@ class Coordinator:
                 self._reject(device, "retained", "updates must not be retained; cleared it", None)
                 assert self.session is not None
                 self.session.publish(topic, b"", qos=1, retain=True)
-        elif kind == "update":
+        elif kind == "update" and payload:  # an empty payload is our own clearing of a retained one
             self._on_update(current, device, payload, arrived)
 
     def _on_status(self, device: str, payload: bytes) -> None:

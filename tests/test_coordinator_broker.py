@@ -1,0 +1,76 @@
+"""The coordinator against a real Mosquitto without agents: what it learns from the broker
+(presence at start-up, retained updates) and what it tells devices (receipts)."""
+
+from __future__ import annotations
+
+import time
+
+from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker
+from broker_coordinator.coordinator import Coordinator, RoundSettings
+from edgefl_protocol import messages, topics
+from models import datasets
+
+FED = "cb"
+
+
+def _broker(tmp_path, devices) -> PrivateBroker:
+    broker = PrivateBroker(tmp_path / "broker", FED)
+    broker.add_user(COORDINATOR_USER)
+    for d in devices:
+        broker.add_user(d)
+    return broker
+
+
+
+def test_first_round_with_all_devices_selects_every_online_device(tmp_path):
+    """clients_per_round = 0 means every eligible device; the first round after a start used only the
+    first `min_updates` devices whose retained status had arrived."""
+    from edgefl_protocol.transport import connect, make_client
+    devices = [f"dev-{i}" for i in range(6)]
+    with _broker(tmp_path, devices) as broker:
+        for d in devices:  # each device leaves its retained status, as an agent does
+            client = make_client(f"{d}-x", d, broker.users[d])
+            connect(client, broker.host, broker.port)
+            status = messages.Status(d, "online", {"busy": False, "last_round": 0})
+            client.publish(topics.status(FED, d), messages.encode("status", status), qos=1,
+                           retain=True).wait_for_publish(5)
+            client.disconnect()
+            client.loop_stop()
+        coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test,
+                                  RoundSettings(clients_per_round=0, min_updates=1, round_timeout=1.5))
+        coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            rnd = coordinator._attempt(1, 1)  # nobody answers: abandoned, but the cohort is what matters
+            assert rnd.cohort == set(devices)
+        finally:
+            coordinator.close()
+
+
+def test_a_retained_update_is_rejected_and_cleared(tmp_path, caplog):
+    from edgefl_protocol.transport import connect, make_client
+    with _broker(tmp_path, ["dev-a"]) as broker:
+        client = make_client("dev-a", "dev-a", broker.users["dev-a"])
+        connect(client, broker.host, broker.port)
+        client.publish(topics.update(FED, "dev-a"), b"junk that replays on every reconnect", qos=1,
+                       retain=True).wait_for_publish(5)
+        client.disconnect()
+        client.loop_stop()
+        coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
+        coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            give_up = time.monotonic() + 10
+            while coordinator.rejections["retained"] == 0 and time.monotonic() < give_up:
+                coordinator._drain(0.2)
+            assert coordinator.rejections["retained"] == 1
+        finally:
+            coordinator.close()
+        # it was cleared: a new subscriber gets nothing retained on that topic
+        again = Coordinator(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
+        again.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                again._drain(0.2)
+            assert again.rejections["retained"] == 0
+        finally:
+            again.close()
