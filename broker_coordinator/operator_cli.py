@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -57,8 +58,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     conf = sub.add_parser("broker-config", help="write the Mosquitto conf.d fragment, password and ACL files",
                           description="Write the Mosquitto configuration fragment (listener, TLS when certificate "
                                       "paths are configured, allow_anonymous false, password and ACL files, "
-                                      "message_size_limit sized to the model), the password and ACL files, and "
-                                      "the coordinator's own broker password.")
+                                      "max_packet_size sized to the model, one connection per user), the "
+                                      "password and ACL files, with the coordinator's own broker user and the "
+                                      "one of these tools.")
     conf.add_argument("--out", type=Path, default=None, help="fragment path (default: [broker] conf_file)")
     conf.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
     _common(conf)
@@ -66,8 +68,9 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
 
     serve = sub.add_parser("serve-enrollment", help="redeem enrollment tokens until stopped (SIGTERM)",
                            description="Connect to the broker as the coordinator and answer devices running "
-                                       "'edge-agent enroll'. Not needed while 'broker-coordinator run' is up, "
-                                       "which hosts the same desk.")
+                                       "'edge-agent enroll'. Not while 'broker-coordinator run' is up: it hosts "
+                                       "the same desk, and the broker lets one of them in at a time (this one "
+                                       "stops when the coordinator connects).")
     _common(serve)
     serve.set_defaults(run=run_serve_enrollment)
 
@@ -126,7 +129,7 @@ def run_broker_config(args: argparse.Namespace) -> int:
     b = config.broker
     tls = "TLS on" if b.tls else "no TLS (set [broker] tls_cert and tls_key to turn it on)"
     local = f", local listener {b.port} for the coordinator" if b.devices_port != b.port else ""
-    print(f"wrote {conf} (listener {b.devices_port}{local}, {tls}, message_size_limit {limit}), "
+    print(f"wrote {conf} (listener {b.devices_port}{local}, {tls}, max_packet_size {limit}), "
           f"{b.passwd_file} and {b.acl_file}")
     if args.reload:
         print(reload_broker(b))
@@ -139,9 +142,16 @@ def run_serve_enrollment(args: argparse.Namespace) -> int:
     from .devices import coordinator_client, open_registry
     from .enrollment import EnrollmentDesk
     config = _config(args)
-    stop = threading.Event()
+    stop, taken_over = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = coordinator_client(config, "enrollment")
+
+    def on_disconnect(c, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001 - paho signature
+        if str(reason_code) == "Session taken over":  # the coordinator (or another desk) connected as this user
+            taken_over.set()
+            stop.set()
+
+    client.on_disconnect = on_disconnect
     connect(client, config.broker.host, config.broker.port, timeout=10)
     desk = EnrollmentDesk(config, open_registry(config), echo=lambda line: print(line, flush=True))
     desk.attach(client)
@@ -156,4 +166,8 @@ def run_serve_enrollment(args: argparse.Namespace) -> int:
         desk.stop()
         client.disconnect()
         client.loop_stop()
+    if taken_over.is_set():
+        print(f"another client connected as {config.broker.username} ('broker-coordinator run', which hosts the "
+              "enrollment desk itself, or a second serve-enrollment): this desk stopped", file=sys.stderr)
+        return 1
     return 0
