@@ -46,6 +46,18 @@ def hash_password(password: str, salt: bytes | None = None) -> str:
     return f"$7${PBKDF2_ITERATIONS}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
 
 
+def verify_password(password: str, hashed: str) -> bool:
+    """Does `password` match a `$7$` hash from `hash_password`?"""
+    try:
+        _, kind, iterations, salt, digest = hashed.split("$")
+        if kind != "7":
+            return False
+        mine = hashlib.pbkdf2_hmac("sha512", password.encode(), base64.b64decode(salt), int(iterations))
+    except ValueError:
+        return False
+    return hmac.compare_digest(mine, base64.b64decode(digest))
+
+
 def render_password_file(users: dict[str, str]) -> str:
     return "".join(f"{user}:{hash_password(password)}\n" for user, password in sorted(users.items()))
 

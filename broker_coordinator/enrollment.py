@@ -29,10 +29,10 @@ from edgefl_protocol import enrollment as proto
 from edgefl_protocol import topics
 from edgefl_protocol.errors import Rejected
 
-from .broker import BrokerError, hash_password
+from .broker import BrokerError, hash_password, verify_password
 from .config import CoordinatorConfig
 from .devices import apply
-from .registry import Registry, RegistryError
+from .registry import ACTIVE, Registry, RegistryError
 
 log = logging.getLogger("broker_coordinator.enrollment")
 
@@ -91,23 +91,23 @@ class EnrollmentDesk:
     def handle(self, topic: str, payload: bytes) -> proto.EnrollAnswer:
         parsed = topics.parse_device_topic(topic)
         device = parsed[1] if parsed else "?"
+        nonce = ""
         try:
             request = proto.decode_request(payload)
+            nonce = request.nonce  # every answer echoes it: the device tells its answer from another's
             if request.device != device:
                 raise Rejected("bad_request", f"topic says {device}, request says {request.device}")
             self.registry.activate(device, request.token_id, hash_password(request.password))
         except Rejected as exc:
-            answer = proto.EnrollAnswer(device, False, "bad_request", exc.detail)
+            answer = proto.EnrollAnswer(device, False, "bad_request", exc.detail, nonce)
         except RegistryError as exc:
+            if self._redeemed_by(device, request):  # a retry of the request that won: same answer again
+                return self._answer(proto.EnrollAnswer(device, True, nonce=nonce))
             reason, _, detail = str(exc).partition(": ")
-            answer = proto.EnrollAnswer(device, False, reason, detail)
+            answer = proto.EnrollAnswer(device, False, reason, detail, nonce)
         else:
-            answer = proto.EnrollAnswer(device, True)
-        info = self.client.publish(topics.enrolled(self.fed, device), proto.encode("enrolled", answer), qos=1)
-        try:
-            info.wait_for_publish(timeout=10)
-        except (RuntimeError, ValueError):
-            log.warning("answer to %s not confirmed by the broker", device)
+            answer = proto.EnrollAnswer(device, True, nonce=nonce)
+        self._answer(answer)
         if answer.ok:
             if self.on_enrolled:
                 self.on_enrolled(device)
@@ -121,3 +121,18 @@ class EnrollmentDesk:
         else:
             self.echo(f"enrollment of {device} refused: {answer.reason}: {answer.detail}")
         return answer
+
+    def _answer(self, answer: proto.EnrollAnswer) -> proto.EnrollAnswer:
+        info = self.client.publish(topics.enrolled(self.fed, answer.device), proto.encode("enrolled", answer), qos=1)
+        try:
+            info.wait_for_publish(timeout=10)
+        except (RuntimeError, ValueError):
+            log.warning("answer to %s not confirmed by the broker", answer.device)
+        return answer
+
+    def _redeemed_by(self, device: str, request: proto.EnrollRequest) -> bool:
+        """Is `device` active with this request's password? (the device lost its session, e.g. to a second
+        `edge-agent enroll` with the same token, before the answer reached it, and asks again)"""
+        current = self.registry.get(device)
+        return current is not None and current.state == ACTIVE and verify_password(request.password,
+                                                                                   current.password_hash)

@@ -13,6 +13,7 @@ from broker_coordinator.registry import ACTIVE, PENDING, REVOKED, Registry, Regi
 from edge_agent.config import load_config as load_agent_config
 from edge_agent.enroll import EnrollError, enroll
 from edgefl_protocol import enrollment as proto
+from edgefl_protocol import topics as proto_topics
 from edgefl_protocol.transport import connect, make_client
 
 from .operator_fixtures import FEDERATION, desk, run_module, server  # noqa: F401 - fixtures
@@ -91,6 +92,55 @@ def test_token_is_refused_after_it_expires_even_if_the_device_clock_is_wrong(ser
     assert registry.require("pi-07").state == PENDING
     ops.apply(server.config, registry)  # any later change drops the expired one-time password
     assert "pi-07" not in (server.root / "mosquitto/edgefl/passwd").read_text()
+
+
+def test_two_enrolls_with_one_token_one_wins_and_the_other_writes_nothing(server, desk, tmp_path):
+    """Before: both processes took the first answer on the shared `enrolled` topic, so both wrote a
+    config and the loser's password did not work. Now each takes the answer to its own nonce."""
+    import threading
+    text = server.add("pi-07")
+    results: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = enroll(text, tmp_path / f"{name}.toml", state_dir=str(tmp_path / name), timeout=20)
+        except EnrollError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    winners = [name for name, result in results.items() if not isinstance(result, EnrollError)]
+    assert len(winners) == 1, results
+    loser = "b" if winners == ["a"] else "a"
+    assert "already used" in str(results[loser]) and not (tmp_path / f"{loser}.toml").exists()
+    agent = load_agent_config(tmp_path / f"{winners[0]}.toml")
+    client = make_client("pi-07", "pi-07", agent.broker.password)
+    connect(client, "127.0.0.1", server.port, timeout=5)
+    client.disconnect()
+    client.loop_stop()
+
+
+def test_answers_echo_the_requests_nonce(server, desk):
+    """Two requests with one token on one session: the first redeems it, the second is told `used`,
+    each answer carrying its own request's nonce; a retry of the winning request is answered ok again."""
+    import threading
+    from .conftest import Recorder
+    token = proto.decode_token(server.add("pi-07"))
+    session = Recorder(make_client("pi-07", "pi-07", token.password))
+    connect(session.client, "127.0.0.1", server.port, timeout=5)
+    try:
+        session.subscribe(proto_topics.enrolled(FEDERATION, "pi-07"))
+        winner = proto.EnrollRequest("pi-07", token.token_id, "w" * 24, "nonce-1")
+        loser = proto.EnrollRequest("pi-07", token.token_id, "l" * 24, "nonce-2")
+        answers = [desk.handle(proto_topics.enroll(FEDERATION, "pi-07"), proto.encode("enroll", r))
+                   for r in (winner, loser, winner)]
+        assert [(a.ok, a.reason, a.nonce) for a in answers] == [(True, "", "nonce-1"), (False, "used", "nonce-2"),
+                                                                (True, "", "nonce-1")]
+    finally:
+        session.close()
 
 
 def test_rotate_replaces_the_token_and_the_old_one_stops_working(server, desk, tmp_path):
