@@ -101,7 +101,8 @@ def _redeem(token: proto.EnrollmentToken, new_password: str, ca: str | None, tim
             if attempt and _accepted(token.host, token.port, token.device, new_password, ca):
                 break
             raise EnrollError(f"the broker refused this token's one-time password: the token was already used, "
-                              f"replaced by 'devices rotate {token.device}', or the device was revoked; "
+                              f"has expired, was replaced by 'devices rotate {token.device}', or the device was "
+                              "revoked; "
                               "ask the operator for a new token") from None
         if answer is not None:
             return answer

@@ -143,6 +143,52 @@ def test_answers_echo_the_requests_nonce(server, desk):
         session.close()
 
 
+def test_expired_one_time_password_is_removed_from_the_broker_when_it_expires(server, tmp_path):
+    """Before: an expired token's one-time password kept working at the broker until the next credential
+    change. Now the enrollment desk reloads the broker at the earliest token expiry."""
+    from broker_coordinator.enrollment import EnrollmentDesk
+    from edgefl_protocol.transport import BrokerUnavailable
+    lines: list[str] = []
+    client = ops.coordinator_client(server.config, "desk")
+    connect(client, "127.0.0.1", server.port, timeout=10)
+    registry = ops.open_registry(server.config)
+    desk = EnrollmentDesk(server.config, registry, echo=lines.append, rescan=0.5)
+    desk.attach(client)
+    try:
+        token = proto.decode_token(server.add("pi-07"))
+        server.add("pi-08")  # valid for a day: stays
+        with registry.connect() as db:
+            db.execute("UPDATE devices SET token_expires = ? WHERE name = 'pi-07'", (time.time() + 2.5,))
+        one_time = make_client("pi-07", "pi-07", token.password)
+        connect(one_time, "127.0.0.1", server.port, timeout=5)  # still valid
+        one_time.disconnect()
+        one_time.loop_stop()
+        give_up = time.monotonic() + 10
+        while not lines and time.monotonic() < give_up:
+            time.sleep(0.1)
+        assert len(lines) == 1 and "token of pi-07 expired" in lines[0], lines
+        passwd = (server.root / "mosquitto/edgefl/passwd").read_text()
+        assert "pi-07:" not in passwd and "pi-08:" in passwd
+        give_up = time.monotonic() + 5
+        while True:  # the broker reloads asynchronously after SIGHUP
+            try:
+                late = make_client("pi-07", "pi-07", token.password)
+                connect(late, "127.0.0.1", server.port, timeout=5)
+            except BrokerUnavailable as exc:
+                assert "Not authorized" in str(exc) or "Bad user name" in str(exc), exc
+                break
+            late.disconnect()
+            late.loop_stop()
+            assert time.monotonic() < give_up, "the expired one-time password still works"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert len(lines) == 1  # said once
+    finally:
+        desk.stop()
+        client.disconnect()
+        client.loop_stop()
+
+
 def test_rotate_replaces_the_token_and_the_old_one_stops_working(server, desk, tmp_path):
     old = server.add("pi-07")
     new, _, _ = ops.rotate_device(server.config, "pi-07")
