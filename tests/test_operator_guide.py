@@ -154,6 +154,7 @@ def test_a_session_file_counts_only_while_its_agent_runs(tmp_path):
     record = {"connected": True, "since": time.time(), "reason": ""}
     agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "edge_agent"])
     try:
+        wait_for(lambda: Path(f"/proc/{agent.pid}/cmdline").read_bytes(), 10, "the process to start")
         (tmp_path / SESSION_FILE).write_text(json.dumps({**record, "pid": agent.pid}))
         assert running_session(tmp_path)["connected"]
         (tmp_path / SESSION_FILE).write_text(json.dumps({**record, "pid": os.getpid()}))  # alive, not an agent
