@@ -10,7 +10,8 @@ Every generated config sets `use_username_as_clientid`: the broker replaces
 whatever client id a client sends with its user name, so a device cannot take
 over the coordinator's session (or another device's) by sending its client
 id. The price: a user holds one connection at a time, so the operator's tools
-connect as a user of their own (`admin_user`), never as the coordinator.
+and the standalone enrollment desk connect as users of their own (`admin_user`,
+`desk_user`, passwords derived from the coordinator's), never as the coordinator.
 """
 
 from __future__ import annotations
@@ -71,13 +72,33 @@ def admin_user(coordinator_user: str = COORDINATOR_USER) -> str:
 def admin_password(coordinator_password: str) -> str:
     """Derived from the coordinator's password, so that whoever holds the coordinator's config
     (and only they) can act as the admin user, with nothing more to configure or store."""
-    digest = hmac.new(coordinator_password.encode(), b"edgefl-admin-cli", hashlib.sha256).digest()
+    return _derived_password(coordinator_password, b"edgefl-admin-cli")
+
+
+def desk_user(coordinator_user: str = COORDINATOR_USER) -> str:
+    """The broker user of `serve-enrollment`, the enrollment desk without the round loop: it may run
+    beside `broker-coordinator run` (whose desk rides on the coordinator's own session)."""
+    return f"{coordinator_user}-enroll"
+
+
+def desk_password(coordinator_password: str) -> str:
+    return _derived_password(coordinator_password, b"edgefl-enrollment-desk")
+
+
+def _derived_password(coordinator_password: str, purpose: bytes) -> str:
+    digest = hmac.new(coordinator_password.encode(), purpose, hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def tool_users(coordinator_user: str, coordinator_password: str) -> dict[str, str]:
+    """user -> password of the coordinator's helpers, for the password file."""
+    return {admin_user(coordinator_user): admin_password(coordinator_password),
+            desk_user(coordinator_user): desk_password(coordinator_password)}
 
 
 def reserved_users(coordinator_user: str = COORDINATOR_USER) -> set[str]:
     """Broker user names that are not devices: no device may be registered under them."""
-    return {coordinator_user, admin_user(coordinator_user)}
+    return {coordinator_user, admin_user(coordinator_user), desk_user(coordinator_user)}
 
 
 def render_acl(federation: str, coordinator_user: str = COORDINATOR_USER, devices: Iterable[str] = ()) -> str:
@@ -100,6 +121,11 @@ def render_acl(federation: str, coordinator_user: str = COORDINATOR_USER, device
         "# the operator's tools: read devices' retained status, clear it on revoke",
         f"user {admin_user(coordinator_user)}",
         f"topic readwrite {base}/device/+/status",
+        "",
+        "# serve-enrollment: read enrollment requests, answer them",
+        f"user {desk_user(coordinator_user)}",
+        f"topic read {base}/device/+/enroll",
+        f"topic write {base}/device/+/enrolled",
     ]
     for device in sorted(set(devices) - reserved_users(coordinator_user)):
         lines += ["", f"user {device}", f"topic read {base}/model/#"]

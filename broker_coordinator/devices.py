@@ -32,8 +32,8 @@ from edgefl_protocol import messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
 
-from .broker import (BrokerError, admin_password, admin_user, hash_password, render_acl, render_fragment,
-                     reserved_users)
+from .broker import (BrokerError, admin_password, admin_user, desk_password, desk_user, hash_password, render_acl,
+                     render_fragment, reserved_users, tool_users)
 from .config import CoordinatorBroker, CoordinatorConfig
 from .registry import REVOKED, Activity, Device, Registry, match_owner
 
@@ -62,7 +62,8 @@ def render_password_file(config: CoordinatorConfig, registry: Registry) -> str:
     if not config.broker.password:
         raise BrokerError(f"{config.path} [broker] password is empty: set the coordinator's broker password")
     users[config.broker.username] = hash_password(config.broker.password)
-    users[admin_user(config.broker.username)] = hash_password(admin_password(config.broker.password))
+    for user, password in tool_users(config.broker.username, config.broker.password).items():
+        users[user] = hash_password(password)
     return "".join(f"{user}:{digest}\n" for user, digest in sorted(users.items()))
 
 
@@ -248,10 +249,16 @@ def list_devices(config: CoordinatorConfig, probe: bool = True, wait: float = 1.
 
 
 def coordinator_client(config: CoordinatorConfig, suffix: str):  # noqa: ANN201 - a paho client
-    """A client of the coordinator's own user (the enrollment desk when it runs alone). The broker
+    """A client of the coordinator's own user (tests; what `broker-coordinator run` connects as). The broker
     uses the user name as client id, so this takes over any other connection of that user."""
     b = config.broker
     return make_client(f"{b.username}-{config.federation.name}-{suffix}", b.username, b.password)
+
+
+def desk_client(config: CoordinatorConfig):  # noqa: ANN201 - a paho client
+    """A client of `serve-enrollment`'s own user: it may run beside the coordinator."""
+    user = desk_user(config.broker.username)
+    return make_client(user, user, desk_password(config.broker.password))
 
 
 def admin_client(config: CoordinatorConfig):  # noqa: ANN201 - a paho client

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -59,18 +58,17 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                           description="Write the Mosquitto configuration fragment (listener, TLS when certificate "
                                       "paths are configured, allow_anonymous false, password and ACL files, "
                                       "max_packet_size sized to the model, one connection per user), the "
-                                      "password and ACL files, with the coordinator's own broker user and the "
-                                      "one of these tools.")
+                                      "password and ACL files, with the broker users of the coordinator, of "
+                                      "these tools and of serve-enrollment.")
     conf.add_argument("--out", type=Path, default=None, help="fragment path (default: [broker] conf_file)")
     conf.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
     _common(conf)
     conf.set_defaults(run=run_broker_config)
 
     serve = sub.add_parser("serve-enrollment", help="redeem enrollment tokens until stopped (SIGTERM)",
-                           description="Connect to the broker as the coordinator and answer devices running "
-                                       "'edge-agent enroll'. Not while 'broker-coordinator run' is up: it hosts "
-                                       "the same desk, and the broker lets one of them in at a time (this one "
-                                       "stops when the coordinator connects).")
+                           description="Connect to the broker (as the coordinator's enrollment user) and "
+                                       "answer devices running 'edge-agent enroll'. Not needed while "
+                                       "'broker-coordinator run' is up, which hosts the same desk.")
     _common(serve)
     serve.set_defaults(run=run_serve_enrollment)
 
@@ -137,22 +135,21 @@ def run_broker_config(args: argparse.Namespace) -> int:
 
 
 def run_serve_enrollment(args: argparse.Namespace) -> int:
-    from edgefl_protocol.transport import connect
+    from edgefl_protocol.transport import BrokerUnavailable, connect
 
-    from .devices import coordinator_client, open_registry
+    from .broker import BrokerError, desk_user
+    from .devices import desk_client, open_registry
     from .enrollment import EnrollmentDesk
     config = _config(args)
-    stop, taken_over = threading.Event(), threading.Event()
+    stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    client = coordinator_client(config, "enrollment")
-
-    def on_disconnect(c, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001 - paho signature
-        if str(reason_code) == "Session taken over":  # the coordinator (or another desk) connected as this user
-            taken_over.set()
-            stop.set()
-
-    client.on_disconnect = on_disconnect
-    connect(client, config.broker.host, config.broker.port, timeout=10)
+    client = desk_client(config)
+    try:
+        connect(client, config.broker.host, config.broker.port, timeout=10)
+    except BrokerUnavailable as exc:
+        hint = (f" (is the {desk_user(config.broker.username)} user in the password file? "
+                "'sudo broker-coordinator broker-config --reload' writes it)" if "refused" in str(exc) else "")
+        raise BrokerError(f"{exc}{hint}") from None
     desk = EnrollmentDesk(config, open_registry(config), echo=lambda line: print(line, flush=True))
     desk.attach(client)
     print(f"enrollment desk for federation {config.federation.name} on {config.broker.host}:{config.broker.port}",
@@ -166,8 +163,4 @@ def run_serve_enrollment(args: argparse.Namespace) -> int:
         desk.stop()
         client.disconnect()
         client.loop_stop()
-    if taken_over.is_set():
-        print(f"another client connected as {config.broker.username} ('broker-coordinator run', which hosts the "
-              "enrollment desk itself, or a second serve-enrollment): this desk stopped", file=sys.stderr)
-        return 1
     return 0

@@ -259,26 +259,34 @@ def test_invalid_device_name(server, coordinator_cli):
     _one_line_error(coordinator_cli("devices", "add", "a/b", "--config", str(server.config_path)), "invalid device name")
 
 
-def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
-    """Through `broker-coordinator serve-enrollment` and `edge-agent enroll`, as separate processes."""
+def start_serve_enrollment(server, log: Path):  # noqa: ANN201 - a Popen
+    """`broker-coordinator serve-enrollment` as a process, once it says it is up."""
     import os
-    import signal
     import subprocess
     import sys
 
     from .operator_fixtures import PROJECT_ROOT
-    _one_line_error(run_module("edge_agent", "enroll", "edgefl1.garbage.x", "--config", str(tmp_path / "a.toml")),
-                    "garbled")
-    log = tmp_path / "desk.log"
     with open(log, "wb") as out:
         desk = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "serve-enrollment", "--config",
                                  str(server.config_path)], stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
                                 env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    give_up = time.monotonic() + 20
+    while b"enrollment desk" not in log.read_bytes():
+        if time.monotonic() > give_up or desk.poll() is not None:
+            desk.kill()
+            pytest.fail(f"serve-enrollment did not come up: {log.read_text()}")
+        time.sleep(0.1)
+    return desk
+
+
+def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
+    """Through `broker-coordinator serve-enrollment` and `edge-agent enroll`, as separate processes."""
+    import signal
+    _one_line_error(run_module("edge_agent", "enroll", "edgefl1.garbage.x", "--config", str(tmp_path / "a.toml")),
+                    "garbled")
+    log = tmp_path / "desk.log"
+    desk = start_serve_enrollment(server, log)
     try:
-        give_up = time.monotonic() + 20
-        while b"enrollment desk" not in log.read_bytes():
-            assert time.monotonic() < give_up and desk.poll() is None, log.read_text()
-            time.sleep(0.1)
         text = server.add("pi-07")
         first = run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "first.toml"),
                            "--state-dir", str(tmp_path))
@@ -289,6 +297,26 @@ def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
         desk.send_signal(signal.SIGTERM)
         assert desk.wait(timeout=15) == 0
     assert "pi-07 enrolled" in log.read_text()
+
+
+def test_serve_enrollment_runs_beside_the_coordinator(server, tmp_path):
+    """The broker keeps one connection per user: `serve-enrollment` has a user of its own, so
+    starting it does not knock the coordinator off, and it still enrolls devices."""
+    import threading
+    coordinator = ops.coordinator_client(server.config, "run")
+    dropped = threading.Event()
+    coordinator.on_disconnect = lambda *args: dropped.set()
+    connect(coordinator, "127.0.0.1", server.port, timeout=10)
+    log = tmp_path / "desk.log"
+    desk = start_serve_enrollment(server, log)
+    try:
+        enroll(server.add("pi-07"), tmp_path / "agent.toml", state_dir=str(tmp_path), timeout=15)
+        assert not dropped.is_set() and coordinator.is_connected()
+    finally:
+        desk.terminate()
+        desk.wait(timeout=15)
+        coordinator.disconnect()
+        coordinator.loop_stop()
 
 
 def test_unwritable_config_path_does_not_spend_the_token(server, tmp_path):
