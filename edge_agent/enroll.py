@@ -80,6 +80,10 @@ def fetch_ca(token: proto.EnrollmentToken, ca_file: Path | None, dest: Path) -> 
     return dest
 
 
+NO_ANSWER = ("no answer from the coordinator within the timeout: is 'broker-coordinator run' (or "
+             "'broker-coordinator serve-enrollment') running on the server? The token was not used; try again")
+
+
 class _Refused(Exception):
     """The broker refused the token's one-time password."""
 
@@ -94,11 +98,12 @@ def _redeem(token: proto.EnrollmentToken, new_password: str, ca: str | None, tim
     means the token was used."""
     request = proto.EnrollRequest(token.device, token.token_id, new_password, secrets.token_hex(8))
     give_up = time.monotonic() + timeout
-    for attempt in range(1000):
+    retry = False
+    while True:
         try:
             answer = _ask(token, request, ca, give_up)
         except _Refused:
-            if attempt and _accepted(token.host, token.port, token.device, new_password, ca):
+            if retry and _accepted(token.host, token.port, token.device, new_password, ca):
                 break
             raise EnrollError(f"the broker refused this token's one-time password: the token was already used, "
                               f"has expired, was replaced by 'devices rotate {token.device}', or the device was "
@@ -109,6 +114,9 @@ def _redeem(token: proto.EnrollmentToken, new_password: str, ca: str | None, tim
         time.sleep(0.5)  # dropped before our answer: let a reload that redeemed the token finish
         if _accepted(token.host, token.port, token.device, new_password, ca):
             break
+        retry = True
+        if time.monotonic() > give_up:
+            raise EnrollError(NO_ANSWER)
     return proto.EnrollAnswer(token.device, True, nonce=request.nonce)  # ours won; its answer was lost
 
 
@@ -151,9 +159,7 @@ def _ask(token: proto.EnrollmentToken, request: proto.EnrollRequest, ca: str | N
             return None
         client.publish(topics.enroll(token.federation, token.device), proto.encode("enroll", request), qos=1)
         if not arrived.wait(max(0.0, give_up - time.monotonic())):
-            raise EnrollError(f"no answer from the coordinator within the timeout: is 'broker-coordinator run' "
-                              "(or 'broker-coordinator serve-enrollment') running on the server? "
-                              "The token was not used; try again")
+            raise EnrollError(NO_ANSWER)
     finally:
         client.disconnect()
         client.loop_stop()
