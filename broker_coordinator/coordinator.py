@@ -41,6 +41,7 @@ from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights, set_weights
 from models.datasets import Dataset
 
+from . import limits
 from .aggregation import StreamingMean
 from .broker import COORDINATOR_USER
 from .robust import AGGREGATORS, RobustRound, l2_norm
@@ -183,7 +184,7 @@ class Coordinator:
         self.extra_specs = self.server_rule.extra_specs(self.specs)
         self.extras: StreamingMean | None = None
         self.max_values = sum(math.prod(shape) for shape in {**self.specs, **self.extra_specs}.values())
-        self.max_update_bytes = 4 * self.max_values + 64 * 1024
+        self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)  # the broker's packet limit agrees
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet

@@ -7,6 +7,10 @@ configurable command such as `systemctl reload mosquitto.service`). Mosquitto
 2.0 re-checks every connected client against the reloaded password file and
 disconnects the ones that no longer match, which is how a revoked device's
 session is kicked (see the README's operator guide and tests/test_security.py).
+
+The tools here talk to the broker as the admin user (`broker.admin_user`), never
+as the coordinator: the broker allows one connection per user, and connecting
+as the coordinator would kick the running coordinator off.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from edgefl_protocol import messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
 
-from .broker import BrokerError, hash_password, render_acl, render_fragment
+from .broker import (BrokerError, admin_password, admin_user, desk_password, desk_user, hash_password, render_acl,
+                     render_fragment, reserved_users, tool_users)
 from .config import CoordinatorBroker, CoordinatorConfig
 from .registry import REVOKED, Activity, Device, Registry, match_owner
 
@@ -57,6 +62,8 @@ def render_password_file(config: CoordinatorConfig, registry: Registry) -> str:
     if not config.broker.password:
         raise BrokerError(f"{config.path} [broker] password is empty: set the coordinator's broker password")
     users[config.broker.username] = hash_password(config.broker.password)
+    for user, password in tool_users(config.broker.username, config.broker.password).items():
+        users[user] = hash_password(password)
     return "".join(f"{user}:{digest}\n" for user, digest in sorted(users.items()))
 
 
@@ -65,7 +72,8 @@ def sync_broker_files(config: CoordinatorConfig, registry: Registry) -> None:
     b = config.broker
     try:
         write_file(Path(b.passwd_file), render_password_file(config, registry), 0o640)
-        write_file(Path(b.acl_file), render_acl(config.federation.name, b.username), 0o640)
+        devices = registry.broker_users(config.federation.name)
+        write_file(Path(b.acl_file), render_acl(config.federation.name, b.username, devices), 0o640)
     except PermissionError as exc:
         raise BrokerError(f"cannot write {exc.filename}: run as root (sudo) or as the coordinator's service user") from None
 
@@ -104,13 +112,15 @@ def apply(config: CoordinatorConfig, registry: Registry) -> str:
 
 
 def message_size_limit(config: CoordinatorConfig) -> int:
-    """Bytes: the configured value, or room for two float32 copies of the model plus headers
-    (an update may carry an algorithm tensor beside the delta)."""
+    """Bytes, for the broker's max_packet_size: `[broker] message_size_limit` if set, else the
+    largest message the coordinator accepts or sends (see limits.py), for the config's model and
+    [rounds] (read from the file when `config` was loaded without them)."""
     if config.broker.message_size_limit:
         return config.broker.message_size_limit
-    from models.architectures import build_model, count_parameters  # imports torch
-    params = count_parameters(build_model(config.federation.model))
-    return 2 * 4 * params + 256 * 1024
+    from .config import load_config
+    from .limits import federation_packet_limit  # imports torch
+    rounds = config.rounds if config.rounds is not None else load_config(config.path).rounds
+    return federation_packet_limit(config.federation.model, rounds)
 
 
 def ca_fingerprint(path: str) -> str:
@@ -156,6 +166,8 @@ def _new_token(config: CoordinatorConfig, name: str) -> tuple[tokens.EnrollmentT
 def add_device(config: CoordinatorConfig, name: str) -> tuple[str, tokens.EnrollmentToken, str]:
     """Register `name` as pending; return (token text, token, reload note)."""
     topics.check_name("device", name)
+    if name in reserved_users(config.broker.username):
+        raise BrokerError(f"{name!r} is the broker user of the coordinator or its tools: choose another device name")
     registry = open_registry(config)
     token, text = _new_token(config, name)
     registry.add(name, config.federation.name, hash_password(token.password), token.signing_key,
@@ -185,7 +197,7 @@ def revoke_device(config: CoordinatorConfig, name: str) -> str:
 def clear_status(config: CoordinatorConfig, name: str) -> str:
     """Remove the device's retained `online` status. Mosquitto 2.0.11 drops the session of a device
     whose password is gone without publishing its will, so nobody else would say it is offline."""
-    client = coordinator_client(config, f"clear-{os.getpid()}")
+    client = admin_client(config)
     try:
         connect(client, config.broker.host, config.broker.port, timeout=5)
     except Exception as exc:  # noqa: BLE001 - the credentials change is done; this is housekeeping
@@ -217,7 +229,9 @@ def list_devices(config: CoordinatorConfig, probe: bool = True, wait: float = 1.
         try:
             live = probe_statuses(config, wait)
         except Exception as exc:  # noqa: BLE001 - the registry view is still useful without the broker
-            note = f"broker not reachable ({exc}); online state from the last the coordinator saw"
+            hint = (f" (the password file has no {admin_user(config.broker.username)} user yet: run "
+                    "'sudo broker-coordinator broker-config --reload')" if "refused" in str(exc) else "")
+            note = f"broker not reachable ({exc}){hint}; online state from the last the coordinator saw"
     activity = registry.activity()
     rows = []
     for d in devices:
@@ -235,16 +249,31 @@ def list_devices(config: CoordinatorConfig, probe: bool = True, wait: float = 1.
 
 
 def coordinator_client(config: CoordinatorConfig, suffix: str):  # noqa: ANN201 - a paho client
+    """A client of the coordinator's own user (tests; what `broker-coordinator run` connects as). The broker
+    uses the user name as client id, so this takes over any other connection of that user."""
     b = config.broker
     return make_client(f"{b.username}-{config.federation.name}-{suffix}", b.username, b.password)
 
 
+def desk_client(config: CoordinatorConfig):  # noqa: ANN201 - a paho client
+    """A client of `serve-enrollment`'s own user: it may run beside the coordinator."""
+    user = desk_user(config.broker.username)
+    return make_client(user, user, desk_password(config.broker.password))
+
+
+def admin_client(config: CoordinatorConfig):  # noqa: ANN201 - a paho client
+    """A client of the operator tools' own user: connecting does not disturb the coordinator."""
+    b = config.broker
+    user = admin_user(b.username)
+    return make_client(user, user, admin_password(b.password))
+
+
 def probe_statuses(config: CoordinatorConfig, wait: float) -> dict[str, bool]:
-    """Connect as the coordinator, read the retained status of every device, disconnect."""
+    """Connect as the admin user, read the retained status of every device, disconnect."""
     fed = config.federation.name
     seen: dict[str, bool] = {}
     last = [time.monotonic()]
-    client = coordinator_client(config, f"probe-{os.getpid()}")
+    client = admin_client(config)
 
     def on_message(c, u, msg) -> None:  # noqa: ANN001
         last[0] = time.monotonic()

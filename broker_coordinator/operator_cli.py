@@ -57,17 +57,18 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     conf = sub.add_parser("broker-config", help="write the Mosquitto conf.d fragment, password and ACL files",
                           description="Write the Mosquitto configuration fragment (listener, TLS when certificate "
                                       "paths are configured, allow_anonymous false, password and ACL files, "
-                                      "message_size_limit sized to the model), the password and ACL files, and "
-                                      "the coordinator's own broker password.")
+                                      "max_packet_size sized to the model, one connection per user), the "
+                                      "password and ACL files, with the broker users of the coordinator, of "
+                                      "these tools and of serve-enrollment.")
     conf.add_argument("--out", type=Path, default=None, help="fragment path (default: [broker] conf_file)")
     conf.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
     _common(conf)
     conf.set_defaults(run=run_broker_config)
 
     serve = sub.add_parser("serve-enrollment", help="redeem enrollment tokens until stopped (SIGTERM)",
-                           description="Connect to the broker as the coordinator and answer devices running "
-                                       "'edge-agent enroll'. Not needed while 'broker-coordinator run' is up, "
-                                       "which hosts the same desk.")
+                           description="Connect to the broker (as the coordinator's enrollment user) and "
+                                       "answer devices running 'edge-agent enroll'. Not needed while "
+                                       "'broker-coordinator run' is up, which hosts the same desk.")
     _common(serve)
     serve.set_defaults(run=run_serve_enrollment)
 
@@ -126,7 +127,7 @@ def run_broker_config(args: argparse.Namespace) -> int:
     b = config.broker
     tls = "TLS on" if b.tls else "no TLS (set [broker] tls_cert and tls_key to turn it on)"
     local = f", local listener {b.port} for the coordinator" if b.devices_port != b.port else ""
-    print(f"wrote {conf} (listener {b.devices_port}{local}, {tls}, message_size_limit {limit}), "
+    print(f"wrote {conf} (listener {b.devices_port}{local}, {tls}, max_packet_size {limit}), "
           f"{b.passwd_file} and {b.acl_file}")
     if args.reload:
         print(reload_broker(b))
@@ -134,15 +135,21 @@ def run_broker_config(args: argparse.Namespace) -> int:
 
 
 def run_serve_enrollment(args: argparse.Namespace) -> int:
-    from edgefl_protocol.transport import connect
+    from edgefl_protocol.transport import BrokerUnavailable, connect
 
-    from .devices import coordinator_client, open_registry
+    from .broker import BrokerError, desk_user
+    from .devices import desk_client, open_registry
     from .enrollment import EnrollmentDesk
     config = _config(args)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    client = coordinator_client(config, "enrollment")
-    connect(client, config.broker.host, config.broker.port, timeout=10)
+    client = desk_client(config)
+    try:
+        connect(client, config.broker.host, config.broker.port, timeout=10)
+    except BrokerUnavailable as exc:
+        hint = (f" (is the {desk_user(config.broker.username)} user in the password file? "
+                "'sudo broker-coordinator broker-config --reload' writes it)" if "refused" in str(exc) else "")
+        raise BrokerError(f"{exc}{hint}") from None
     desk = EnrollmentDesk(config, open_registry(config), echo=lambda line: print(line, flush=True))
     desk.attach(client)
     print(f"enrollment desk for federation {config.federation.name} on {config.broker.host}:{config.broker.port}",

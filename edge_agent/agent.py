@@ -43,6 +43,7 @@ from models.datasets import load_npz
 
 from .config import AgentConfig
 from .hardware import calibrate, plan_epochs, probe
+from .runtime import record_session
 from .state import DeviceState, atomic_write
 from .training import LocalSettings, Stopped, train_locally
 
@@ -105,6 +106,7 @@ class Agent:
                           (topics.receipt(self.fed, self.device), 1)]
                          + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)])
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
+        record_session(client, self.config.device.state_dir)  # for `edge-agent status` (edge_agent/runtime.py)
         log.info("connected as %s", self.device)
 
     def _on_message(self, client, msg) -> None:  # noqa: ANN001

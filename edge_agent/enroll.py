@@ -4,7 +4,8 @@
   2. make sure the config path is writable before the token is spent;
   3. with TLS, obtain the CA certificate and check it against the token's fingerprint;
   4. sign in with the token's one-time password, send a new password made here,
-     and wait for the coordinator's answer (see edgefl_protocol.enrollment);
+     and wait for the coordinator's answer to that request (matched by a nonce; see
+     edgefl_protocol.enrollment and `_redeem` for a second process with the same token);
   5. write the config (mode 0600), then connect with the new credentials.
 """
 
@@ -79,61 +80,114 @@ def fetch_ca(token: proto.EnrollmentToken, ca_file: Path | None, dest: Path) -> 
     return dest
 
 
+NO_ANSWER = ("no answer from the coordinator within the timeout: is 'broker-coordinator run' (or "
+             "'broker-coordinator serve-enrollment') running on the server? The token was not used; try again")
+
+
+class _Refused(Exception):
+    """The broker refused the token's one-time password."""
+
+
 def _redeem(token: proto.EnrollmentToken, new_password: str, ca: str | None, timeout: float) -> proto.EnrollAnswer:
+    """Send the request and return the coordinator's answer to it (matched by nonce).
+
+    The broker lets one connection per device in, so a second `edge-agent enroll` with the same token
+    drops this session, and so does the broker's reload once the token is redeemed. After a drop
+    before the answer: if our new password works, our request won; else ask again (the desk answers
+    a retry of the winning request `ok` again) until the one-time password stops working, which
+    means the token was used."""
+    request = proto.EnrollRequest(token.device, token.token_id, new_password, secrets.token_hex(8))
+    give_up = time.monotonic() + timeout
+    retry = False
+    while True:
+        try:
+            answer = _ask(token, request, ca, give_up)
+        except _Refused:
+            if retry and _accepted(token.host, token.port, token.device, new_password, ca):
+                break
+            raise EnrollError(f"the broker refused this token's one-time password: the token was already used, "
+                              f"has expired, was replaced by 'devices rotate {token.device}', or the device was "
+                              "revoked; "
+                              "ask the operator for a new token") from None
+        if answer is not None:
+            return answer
+        time.sleep(0.5)  # dropped before our answer: let a reload that redeemed the token finish
+        if _accepted(token.host, token.port, token.device, new_password, ca):
+            break
+        retry = True
+        if time.monotonic() > give_up:
+            raise EnrollError(NO_ANSWER)
+    return proto.EnrollAnswer(token.device, True, nonce=request.nonce)  # ours won; its answer was lost
+
+
+def _ask(token: proto.EnrollmentToken, request: proto.EnrollRequest, ca: str | None,
+         give_up: float) -> proto.EnrollAnswer | None:
+    """One session: the answer to `request`, or None if the broker dropped the session first."""
     answers: list[proto.EnrollAnswer] = []
-    arrived = threading.Event()
-    subscribed = threading.Event()
-    client = make_client(f"{token.device}-enroll-{secrets.token_hex(3)}", token.username, token.password, tls_ca=ca)
+    arrived, subscribed, dropped = threading.Event(), threading.Event(), threading.Event()
+    client = make_client(f"{token.device}-enroll-{secrets.token_hex(3)}", token.username, token.password,
+                         reconnect_on_failure=False, tls_ca=ca)
 
     def on_message(c, u, msg) -> None:  # noqa: ANN001
         try:
-            answers.append(proto.decode_answer(msg.payload))
-            arrived.set()
+            answer = proto.decode_answer(msg.payload)
         except Exception:  # noqa: BLE001 - anything unreadable is simply not an answer
-            pass
+            return
+        if answer.nonce == request.nonce:  # another process's answer (same token) is not ours
+            answers.append(answer)
+            arrived.set()
+
+    def on_disconnect(*args) -> None:  # noqa: ANN002
+        dropped.set()
+        subscribed.set()
+        arrived.set()
 
     client.on_message = on_message
     client.on_subscribe = lambda *a: subscribed.set()
+    client.on_disconnect = on_disconnect
     try:
-        connect(client, token.host, token.port, timeout=min(timeout, 15))
+        connect(client, token.host, token.port, timeout=max(1.0, min(give_up - time.monotonic(), 15)))
     except BrokerUnavailable as exc:
         if "Not authorized" in str(exc) or "Bad user name or password" in str(exc):
-            raise EnrollError(f"the broker refused this token's one-time password: the token was already used, "
-                              f"replaced by 'devices rotate {token.device}', or the device was revoked; "
-                              "ask the operator for a new token") from None
+            raise _Refused() from None
         raise EnrollError(f"{exc}: check the network and that mosquitto is running on the server") from None
     try:
         client.subscribe(topics.enrolled(token.federation, token.device), qos=1)
         if not subscribed.wait(10):
             raise EnrollError("the broker did not confirm the subscription; try again")
-        request = proto.EnrollRequest(token.device, token.token_id, new_password)
+        if dropped.is_set():
+            return None
         client.publish(topics.enroll(token.federation, token.device), proto.encode("enroll", request), qos=1)
-        if not arrived.wait(timeout):
-            raise EnrollError(f"no answer from the coordinator within {timeout:.0f} s: is 'broker-coordinator run' "
-                              "(or 'broker-coordinator serve-enrollment') running on the server? "
-                              "The token was not used; try again")
+        if not arrived.wait(max(0.0, give_up - time.monotonic())):
+            raise EnrollError(NO_ANSWER)
     finally:
         client.disconnect()
         client.loop_stop()
-    return answers[0]
+    return answers[0] if answers else None
+
+
+def _accepted(host: str, port: int, device: str, password: str, ca: str | None) -> bool:
+    client = make_client(f"{device}-check-{secrets.token_hex(3)}", device, password, reconnect_on_failure=False,
+                         tls_ca=ca)
+    try:
+        connect(client, host, port, timeout=5)
+    except BrokerUnavailable:
+        return False
+    client.disconnect()
+    client.loop_stop()
+    return True
 
 
 def _verify(config_host: str, port: int, device: str, password: str, ca: str | None, within: float) -> None:
-    """Connect with the new credentials; the broker may need a moment to reload its password file."""
+    """Connect with the new credentials; the broker may need a moment to reload its password file.
+    (The broker lets one connection per device in, so this would drop a running agent's session;
+    none runs with these credentials yet, and the service is restarted after enrolling.)"""
     give_up = time.monotonic() + within
-    while True:
-        client = make_client(f"{device}-check-{secrets.token_hex(3)}", device, password, tls_ca=ca)
-        try:
-            connect(client, config_host, port, timeout=5)
-        except BrokerUnavailable as exc:
-            if time.monotonic() > give_up:
-                raise EnrollError(f"enrolled, but the broker refused the new credentials ({exc}): "
-                                  "ask the operator to run 'sudo systemctl reload mosquitto'") from None
-            time.sleep(0.5)
-            continue
-        client.disconnect()
-        client.loop_stop()
-        return
+    while not _accepted(config_host, port, device, password, ca):
+        if time.monotonic() > give_up:
+            raise EnrollError("enrolled, but the broker refused the new credentials: "
+                              "ask the operator to run 'sudo systemctl reload mosquitto'")
+        time.sleep(0.5)
 
 
 def enroll(token_text: str, config_path: Path = DEFAULT_CONFIG, data: str | None = None,

@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,11 +102,13 @@ def service_state() -> str:
 
 
 def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
-    """Enrolled or not, broker reachable, last round, service state. Exit 0 when enrolled and reachable."""
+    """Enrolled or not, broker reachable, last round, service state. Exit 0 when enrolled and reachable.
+    While the agent is connected, its session file says so: signing in as the device here would
+    drop the agent's own session (the broker lets one connection per device in)."""
     from edgefl_protocol.settings import ConfigError
-    from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 
     from .config import load_config
+    from .runtime import running_session
     from .state import DeviceState
 
     if not config_path.exists():
@@ -117,21 +120,39 @@ def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
         return 1, [f"enrolled:   config unusable: {exc}{hint}"]
     b, d = config.broker, config.device
     lines = [f"enrolled:   yes, device {d.id} in federation {d.federation} ({config_path})"]
-    client = make_client(f"{d.id}-status-{os.getpid()}", b.username, b.password, tls_ca=b.tls_ca or None)
-    reachable = True
-    try:
-        connect(client, b.host, b.port, timeout=timeout)
-        client.disconnect()
-        client.loop_stop()
-        lines.append(f"broker:     {b.host}:{b.port} reachable, credentials accepted{' (TLS)' if b.tls_ca else ''}")
-    except (BrokerUnavailable, OSError, ValueError) as exc:
-        reachable = False
-        hint = ("the credentials were refused: the device may have been revoked or rotated; ask the operator "
-                "for a new token" if "refused" in str(exc) else "check the network and the broker")
-        lines.append(f"broker:     {exc}; {hint}")
+    session = running_session(d.state_dir)
+    if session and session.get("connected"):
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(session.get("since", 0)))
+        lines.append(f"broker:     {b.host}:{b.port} reachable, credentials accepted{' (TLS)' if b.tls_ca else ''}: "
+                     f"the agent (pid {session['pid']}) is connected since {since}")
+        reachable = True
+    else:  # no agent holds a connection: signing in disturbs nobody
+        reachable, line = _check_credentials(config, timeout)
+        if session:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(session.get("since", 0)))
+            line += f" (the agent, pid {session['pid']}, lost its session at {since}: {session.get('reason')}; " \
+                    "it keeps retrying)"
+        lines.append(line)
     state = DeviceState(d.state_dir).data if Path(d.state_dir).is_dir() else {}
     last = state.get("last_round")
     lines.append(f"last round: {last if last is not None else 'none yet'}"
                  + (f" (model version {state.get('last_model_version')})" if last is not None else ""))
     lines.append(f"service:    {service_state()}")
     return (0 if reachable else 1), lines
+
+
+def _check_credentials(config, timeout: float) -> tuple[bool, str]:  # noqa: ANN001 - an AgentConfig
+    """Sign in as the device once: (accepted, the line to print)."""
+    from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
+    b, d = config.broker, config.device
+    client = make_client(f"{d.id}-status-{os.getpid()}", b.username, b.password, reconnect_on_failure=False,
+                         tls_ca=b.tls_ca or None)
+    try:
+        connect(client, b.host, b.port, timeout=timeout)
+    except (BrokerUnavailable, OSError, ValueError) as exc:
+        hint = ("the credentials were refused: the device may have been revoked or rotated; ask the operator "
+                "for a new token" if "refused" in str(exc) else "check the network and the broker")
+        return False, f"broker:     {exc}; {hint}"
+    client.disconnect()
+    client.loop_stop()
+    return True, f"broker:     {b.host}:{b.port} reachable, credentials accepted{' (TLS)' if b.tls_ca else ''}"

@@ -19,6 +19,10 @@ token id and expiry, stores the new password's hash, marks the token used,
 answers `EnrollAnswer` on the device's `enrolled` topic, and reloads the
 broker, which drops the one-time password. A second use of the token is then
 refused by the broker itself.
+
+Each request carries a random nonce that its answer echoes: two processes
+redeeming one token at the same moment both see both answers on the shared
+`enrolled` topic, and each takes only its own (the loser's says `used`).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class EnrollRequest:
     device: str
     token_id: str
     password: str  # the device's new broker password, generated on the device
+    nonce: str = ""  # random, per request; the answer echoes it
 
 
 @dataclass
@@ -122,6 +127,7 @@ class EnrollAnswer:
     ok: bool
     reason: str = ""  # "", "used", "expired", "unknown_device", "revoked", "bad_request"
     detail: str = ""
+    nonce: str = ""  # the request's
 
 
 def encode(kind: str, message: EnrollRequest | EnrollAnswer) -> bytes:
@@ -130,7 +136,8 @@ def encode(kind: str, message: EnrollRequest | EnrollAnswer) -> bytes:
 
 def decode_request(data: bytes) -> EnrollRequest:
     obj = _unpack(data, "enroll", 4096)
-    request = EnrollRequest(_field(obj, "device", str), _field(obj, "token_id", str), _field(obj, "password", str))
+    request = EnrollRequest(_field(obj, "device", str), _field(obj, "token_id", str), _field(obj, "password", str),
+                            _nonce(obj))
     if not 16 <= len(request.password) <= 256:
         raise Rejected("schema", "the new password must be 16-256 characters")
     return request
@@ -139,4 +146,12 @@ def decode_request(data: bytes) -> EnrollRequest:
 def decode_answer(data: bytes) -> EnrollAnswer:
     obj = _unpack(data, "enrolled", 4096)
     return EnrollAnswer(_field(obj, "device", str), _field(obj, "ok", bool), _field(obj, "reason", str),
-                        _field(obj, "detail", str))
+                        _field(obj, "detail", str), _nonce(obj))
+
+
+def _nonce(obj: dict) -> str:
+    """Missing in messages from before nonces: "" (which matches no request of a current agent)."""
+    nonce = obj.get("nonce", "")
+    if not isinstance(nonce, str) or len(nonce) > 64:
+        raise Rejected("schema", "field 'nonce' must be a string of at most 64 characters")
+    return nonce

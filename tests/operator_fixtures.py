@@ -30,7 +30,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FEDERATION = "field"
 
 
-def write_coordinator_config(root: Path, port: int, extra_broker: str = "") -> Path:
+def write_coordinator_config(root: Path, port: int, extra_broker: str = "", message_size_limit: int = 1048576) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / "coordinator.toml"
     path.write_text(f"""
@@ -49,7 +49,7 @@ acl_file = "{root}/mosquitto/edgefl/acl"
 conf_file = "{root}/mosquitto/conf.d/edgefl.conf"
 pid_file = "{root}/run/mosquitto.pid"
 reload_command = ""
-message_size_limit = 1048576
+message_size_limit = {message_size_limit}
 {extra_broker}
 
 [storage]
@@ -102,11 +102,12 @@ def run_module(module: str, *args: str, timeout: float = 60, env: dict | None = 
                           cwd=PROJECT_ROOT, env=environment)
 
 
-def start_server(root: Path, extra_broker: str = "", device_port: int = 0) -> Server:
+def start_server(root: Path, extra_broker: str = "", device_port: int = 0, message_size_limit: int = 1048576) -> Server:
+    """`message_size_limit = 0`: the broker's max_packet_size sized from the model, as by default."""
     port = free_port()
     if device_port:
         extra_broker += f"\ndevice_port = {device_port}\n"
-    config_path = write_coordinator_config(root, port, extra_broker)
+    config_path = write_coordinator_config(root, port, extra_broker, message_size_limit)
     config = load_config(config_path, with_rounds=False)
     ops.write_broker_config(config)
     conf = debian_main_conf(root)

@@ -56,3 +56,50 @@ def test_port_in_use_is_reported(broker, tmp_path):
 def test_missing_binary_is_reported(tmp_path):
     with pytest.raises(BrokerError, match="not executable"):
         PrivateBroker(tmp_path, FEDERATION, mosquitto=str(tmp_path / "no-mosquitto")).start()
+
+
+def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_sends(tmp_path):
+    """Before: the broker let through messages up to 2 float32 copies of the model + 256 KiB, far over the
+    coordinator's update cap, and Mosquitto recommended max_packet_size. Now max_packet_size is the
+    coordinator's cap (or a model chunk, if larger) plus header slack, from the same function."""
+    import threading
+
+    import numpy as np
+
+    from broker_coordinator import limits
+    from broker_coordinator.config import load_config
+    from broker_coordinator.coordinator import Coordinator
+    from models.datasets import Dataset
+
+    from .conftest import Recorder
+    from .operator_fixtures import FEDERATION as FIELD
+    from .operator_fixtures import start_server, stop_server
+    from .test_security import enrolled, session
+
+    server = start_server(tmp_path / "server", message_size_limit=0)
+    try:
+        rounds = load_config(server.config_path).rounds
+        coordinator = Coordinator(FIELD, "digits_mlp", Dataset(np.zeros((2, 64), np.float32), np.zeros(2, np.int64)),
+                                  rounds)
+        assert limits.federation_update_cap("digits_mlp", rounds) == coordinator.max_update_bytes
+        limit = limits.packet_limit(coordinator.max_update_bytes, rounds.model_chunk_bytes)
+        assert f"max_packet_size {limit}\n" in (server.root / "mosquitto/conf.d/edgefl.conf").read_text()
+
+        password = enrolled(server, "dev-a")
+        receiver: Recorder = session(server, server.config.broker.username, server.config.broker.password)
+        receiver.subscribe(topics.all_updates(FIELD))
+        device = session(server, "dev-a", password)
+        dropped = threading.Event()
+        device.client.on_disconnect = lambda *args: dropped.set()
+        largest = limit - limits.PACKET_SLACK  # a whole update at the coordinator's cap, and a model chunk, fit
+        assert largest >= coordinator.max_update_bytes and largest >= rounds.model_chunk_bytes
+        device.client.publish(topics.update(FIELD, "dev-a"), b"u" * largest, qos=1).wait_for_publish(5)
+        assert receiver.received.wait(5) and len(receiver.messages[0][1]) == largest
+        device.client.publish(topics.update(FIELD, "dev-a"), b"x" * (limit + 1), qos=1)
+        assert dropped.wait(5), "the broker accepted a packet over max_packet_size"
+        time.sleep(0.3)
+        assert len(receiver.messages) == 1
+        device.client.loop_stop()
+        receiver.close()
+    finally:
+        stop_server(server)

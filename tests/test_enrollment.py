@@ -13,6 +13,7 @@ from broker_coordinator.registry import ACTIVE, PENDING, REVOKED, Registry, Regi
 from edge_agent.config import load_config as load_agent_config
 from edge_agent.enroll import EnrollError, enroll
 from edgefl_protocol import enrollment as proto
+from edgefl_protocol import topics as proto_topics
 from edgefl_protocol.transport import connect, make_client
 
 from .operator_fixtures import FEDERATION, desk, run_module, server  # noqa: F401 - fixtures
@@ -93,6 +94,101 @@ def test_token_is_refused_after_it_expires_even_if_the_device_clock_is_wrong(ser
     assert "pi-07" not in (server.root / "mosquitto/edgefl/passwd").read_text()
 
 
+def test_two_enrolls_with_one_token_one_wins_and_the_other_writes_nothing(server, desk, tmp_path):
+    """Before: both processes took the first answer on the shared `enrolled` topic, so both wrote a
+    config and the loser's password did not work. Now each takes the answer to its own nonce."""
+    import threading
+    text = server.add("pi-07")
+    results: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = enroll(text, tmp_path / f"{name}.toml", state_dir=str(tmp_path / name), timeout=20)
+        except EnrollError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    winners = [name for name, result in results.items() if not isinstance(result, EnrollError)]
+    assert len(winners) == 1, results
+    loser = "b" if winners == ["a"] else "a"
+    assert "already used" in str(results[loser]) and not (tmp_path / f"{loser}.toml").exists()
+    agent = load_agent_config(tmp_path / f"{winners[0]}.toml")
+    client = make_client("pi-07", "pi-07", agent.broker.password)
+    connect(client, "127.0.0.1", server.port, timeout=5)
+    client.disconnect()
+    client.loop_stop()
+
+
+def test_answers_echo_the_requests_nonce(server, desk):
+    """Two requests with one token on one session: the first redeems it, the second is told `used`,
+    each answer carrying its own request's nonce; a retry of the winning request is answered ok again."""
+    import threading
+    from .conftest import Recorder
+    token = proto.decode_token(server.add("pi-07"))
+    session = Recorder(make_client("pi-07", "pi-07", token.password))
+    connect(session.client, "127.0.0.1", server.port, timeout=5)
+    try:
+        session.subscribe(proto_topics.enrolled(FEDERATION, "pi-07"))
+        winner = proto.EnrollRequest("pi-07", token.token_id, "w" * 24, "nonce-1")
+        loser = proto.EnrollRequest("pi-07", token.token_id, "l" * 24, "nonce-2")
+        answers = [desk.handle(proto_topics.enroll(FEDERATION, "pi-07"), proto.encode("enroll", r))
+                   for r in (winner, loser, winner)]
+        assert [(a.ok, a.reason, a.nonce) for a in answers] == [(True, "", "nonce-1"), (False, "used", "nonce-2"),
+                                                                (True, "", "nonce-1")]
+    finally:
+        session.close()
+
+
+def test_expired_one_time_password_is_removed_from_the_broker_when_it_expires(server, tmp_path):
+    """Before: an expired token's one-time password kept working at the broker until the next credential
+    change. Now the enrollment desk reloads the broker at the earliest token expiry."""
+    from broker_coordinator.enrollment import EnrollmentDesk
+    from edgefl_protocol.transport import BrokerUnavailable
+    lines: list[str] = []
+    client = ops.coordinator_client(server.config, "desk")
+    connect(client, "127.0.0.1", server.port, timeout=10)
+    registry = ops.open_registry(server.config)
+    desk = EnrollmentDesk(server.config, registry, echo=lines.append, rescan=0.5)
+    desk.attach(client)
+    try:
+        token = proto.decode_token(server.add("pi-07"))
+        server.add("pi-08")  # valid for a day: stays
+        with registry.connect() as db:
+            db.execute("UPDATE devices SET token_expires = ? WHERE name = 'pi-07'", (time.time() + 2.5,))
+        one_time = make_client("pi-07", "pi-07", token.password)
+        connect(one_time, "127.0.0.1", server.port, timeout=5)  # still valid
+        one_time.disconnect()
+        one_time.loop_stop()
+        give_up = time.monotonic() + 10
+        while not lines and time.monotonic() < give_up:
+            time.sleep(0.1)
+        assert len(lines) == 1 and "token of pi-07 expired" in lines[0], lines
+        passwd = (server.root / "mosquitto/edgefl/passwd").read_text()
+        assert "pi-07:" not in passwd and "pi-08:" in passwd
+        give_up = time.monotonic() + 5
+        while True:  # the broker reloads asynchronously after SIGHUP
+            try:
+                late = make_client("pi-07", "pi-07", token.password)
+                connect(late, "127.0.0.1", server.port, timeout=5)
+            except BrokerUnavailable as exc:
+                assert "Not authorized" in str(exc) or "Bad user name" in str(exc), exc
+                break
+            late.disconnect()
+            late.loop_stop()
+            assert time.monotonic() < give_up, "the expired one-time password still works"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert len(lines) == 1  # said once
+    finally:
+        desk.stop()
+        client.disconnect()
+        client.loop_stop()
+
+
 def test_rotate_replaces_the_token_and_the_old_one_stops_working(server, desk, tmp_path):
     old = server.add("pi-07")
     new, _, _ = ops.rotate_device(server.config, "pi-07")
@@ -163,26 +259,34 @@ def test_invalid_device_name(server, coordinator_cli):
     _one_line_error(coordinator_cli("devices", "add", "a/b", "--config", str(server.config_path)), "invalid device name")
 
 
-def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
-    """Through `broker-coordinator serve-enrollment` and `edge-agent enroll`, as separate processes."""
+def start_serve_enrollment(server, log: Path):  # noqa: ANN201 - a Popen
+    """`broker-coordinator serve-enrollment` as a process, once it says it is up."""
     import os
-    import signal
     import subprocess
     import sys
 
     from .operator_fixtures import PROJECT_ROOT
-    _one_line_error(run_module("edge_agent", "enroll", "edgefl1.garbage.x", "--config", str(tmp_path / "a.toml")),
-                    "garbled")
-    log = tmp_path / "desk.log"
     with open(log, "wb") as out:
         desk = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "serve-enrollment", "--config",
                                  str(server.config_path)], stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
                                 env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    give_up = time.monotonic() + 20
+    while b"enrollment desk" not in log.read_bytes():
+        if time.monotonic() > give_up or desk.poll() is not None:
+            desk.kill()
+            pytest.fail(f"serve-enrollment did not come up: {log.read_text()}")
+        time.sleep(0.1)
+    return desk
+
+
+def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
+    """Through `broker-coordinator serve-enrollment` and `edge-agent enroll`, as separate processes."""
+    import signal
+    _one_line_error(run_module("edge_agent", "enroll", "edgefl1.garbage.x", "--config", str(tmp_path / "a.toml")),
+                    "garbled")
+    log = tmp_path / "desk.log"
+    desk = start_serve_enrollment(server, log)
     try:
-        give_up = time.monotonic() + 20
-        while b"enrollment desk" not in log.read_bytes():
-            assert time.monotonic() < give_up and desk.poll() is None, log.read_text()
-            time.sleep(0.1)
         text = server.add("pi-07")
         first = run_module("edge_agent", "enroll", text, "--config", str(tmp_path / "first.toml"),
                            "--state-dir", str(tmp_path))
@@ -193,6 +297,26 @@ def test_garbled_and_used_tokens_on_the_command_line(server, tmp_path):
         desk.send_signal(signal.SIGTERM)
         assert desk.wait(timeout=15) == 0
     assert "pi-07 enrolled" in log.read_text()
+
+
+def test_serve_enrollment_runs_beside_the_coordinator(server, tmp_path):
+    """The broker keeps one connection per user: `serve-enrollment` has a user of its own, so
+    starting it does not knock the coordinator off, and it still enrolls devices."""
+    import threading
+    coordinator = ops.coordinator_client(server.config, "run")
+    dropped = threading.Event()
+    coordinator.on_disconnect = lambda *args: dropped.set()
+    connect(coordinator, "127.0.0.1", server.port, timeout=10)
+    log = tmp_path / "desk.log"
+    desk = start_serve_enrollment(server, log)
+    try:
+        enroll(server.add("pi-07"), tmp_path / "agent.toml", state_dir=str(tmp_path), timeout=15)
+        assert not dropped.is_set() and coordinator.is_connected()
+    finally:
+        desk.terminate()
+        desk.wait(timeout=15)
+        coordinator.disconnect()
+        coordinator.loop_stop()
 
 
 def test_unwritable_config_path_does_not_spend_the_token(server, tmp_path):

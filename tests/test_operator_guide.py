@@ -122,10 +122,14 @@ def test_operator_guide_end_to_end(tmp_path):
         listing = run_module("broker_coordinator", "devices", "list", *coordinator)
         row = next(line.split() for line in listing.stdout.splitlines() if line.startswith("pi-07"))
         assert row[:3] == ["pi-07", "active", "online"] and row[-2:] == ["1", "1"], listing.stdout
+        session_file = state / "session.json"  # the running agent's: status reads it instead of signing in
+        before = session_file.read_text()
         status = run_module("edge_agent", "status", "--config", str(agent_config))
         assert status.returncode == 0, status.stdout + status.stderr
         assert "enrolled:   yes, device pi-07" in status.stdout and "credentials accepted" in status.stdout
-        assert "last round: 1" in status.stdout
+        assert "is connected since" in status.stdout and "last round: 1" in status.stdout
+        time.sleep(0.5)
+        assert session_file.read_text() == before, "edge-agent status knocked the running agent off the broker"
 
         # revoke: the broker drops the agent's session and the credentials stop working
         revoked = run_module("broker_coordinator", "devices", "revoke", "pi-07", *coordinator)
@@ -141,3 +145,22 @@ def test_operator_guide_end_to_end(tmp_path):
 def test_status_before_enrollment(tmp_path):
     result = run_module("edge_agent", "status", "--config", str(Path(tmp_path) / "agent.toml"))
     assert result.returncode == 1 and "enrolled:   no" in result.stdout and "edge-agent enroll" in result.stdout
+
+
+def test_a_session_file_counts_only_while_its_agent_runs(tmp_path):
+    import json
+
+    from edge_agent.runtime import SESSION_FILE, running_session
+    record = {"connected": True, "since": time.time(), "reason": ""}
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "edge_agent"])
+    try:
+        wait_for(lambda: Path(f"/proc/{agent.pid}/cmdline").read_bytes(), 10, "the process to start")
+        (tmp_path / SESSION_FILE).write_text(json.dumps({**record, "pid": agent.pid}))
+        assert running_session(tmp_path)["connected"]
+        (tmp_path / SESSION_FILE).write_text(json.dumps({**record, "pid": os.getpid()}))  # alive, not an agent
+        assert running_session(tmp_path) is None
+    finally:
+        agent.kill()
+        agent.wait()
+    (tmp_path / SESSION_FILE).write_text(json.dumps({**record, "pid": agent.pid}))  # gone
+    assert running_session(tmp_path) is None
