@@ -8,13 +8,20 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean
+.PHONY: demo test setup mosquitto clean attacks fault-drill
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out $(DEMO_ARGS)
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q
+
+# benchmarks too slow for `make test`; each writes its results to bench/results/
+attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)
+	$(BIN)/python -m bench.attacks
+
+fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (about 3 minutes)
+	$(BIN)/python -m bench.fault_drill
 
 setup: $(VENV)/.installed
 
