@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import multiprocessing
 import random
@@ -51,6 +52,7 @@ AGGREGATIONS: dict[str, dict] = {
     "unprotected": {"weighting": "reported", "norm_bound": 0.0, "aggregator": "mean"},
     "default": {},
     "clipped_mean": {"aggregator": "mean"},
+    "tight": {"weight_cap": 1.0, "norm_bound": 1.0},
     "trimmed_mean": {"aggregator": "trimmed_mean"},
     "median": {"aggregator": "median"},
 }
@@ -75,7 +77,7 @@ def run_one(attack: str, fraction: float, aggregation: str, seed: int, rounds: i
     from models.datasets import Dataset
 
     torch.set_num_threads(1)
-    logging.getLogger("broker_coordinator").setLevel(logging.ERROR)  # clipping is counted, not printed
+    logging.getLogger("broker_coordinator").setLevel(os.environ.get("EDGEFL_BENCH_LOG", "ERROR"))  # counted, not printed
     fed = headline()
     settings = RoundSettings(**AGGREGATIONS[aggregation])
     devices = [f"dev-{i:03d}" for i in range(len(fed.clients))]

@@ -395,7 +395,8 @@ class Coordinator:
             raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
         key = (device, answer.round, answer.attempt)
         if key in self.accepted:
-            if self.accepted[key] == digest:
+            still_open = current is not None and (current.number, current.attempt) == key[1:]
+            if self.accepted[key] == digest and still_open:
                 log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
                          device, answer.round, answer.attempt)
                 self._receipt(device, None, None, (answer.round, answer.attempt))
@@ -658,6 +659,9 @@ class Coordinator:
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)
             self.metrics.rejected.labels("direction").inc()
+            rnd.device_metrics.setdefault(device, {})["left_out"] = f"direction (cosine {cosine:.2f})"
+        for device, (norm, bound) in rnd.aggregate.clipped.items():
+            rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
         if rnd.aggregate.gated:
             clipped["direction"] = len(rnd.aggregate.gated)
         return RoundRecord(rnd.number, rnd.attempt, rnd.aggregate.count, len(rnd.cohort), accuracy, loss,

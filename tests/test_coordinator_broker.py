@@ -58,10 +58,13 @@ def test_a_retained_update_is_rejected_and_cleared(tmp_path, caplog):
         coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
-            give_up = time.monotonic() + 10
+            give_up = time.monotonic() + 30
             while coordinator.rejections["retained"] == 0 and time.monotonic() < give_up:
                 coordinator._drain(0.2)
             assert coordinator.rejections["retained"] == 1
+            settle = time.monotonic() + 1  # the clearing publish is asynchronous: let it reach the broker
+            while time.monotonic() < settle:
+                coordinator._drain(0.2)
         finally:
             coordinator.close()
         # it was cleared: a new subscriber gets nothing retained on that topic

@@ -88,7 +88,7 @@ def test_operator_guide_end_to_end(tmp_path):
             service = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", *coordinator],
                                        stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, env=env)
         processes.append(service)
-        wait_for(lambda: b"connected to" in service_log.read_bytes(), 30, "the coordinator to connect")
+        wait_for(lambda: b"connected to" in service_log.read_bytes(), 90, "the coordinator to connect")
 
         # 4. add the device on the server; the token is the line starting with edgefl1.
         added = run_module("broker_coordinator", "devices", "add", "pi-07", *coordinator)
