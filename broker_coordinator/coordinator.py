@@ -370,7 +370,7 @@ class Coordinator:
         trusted = self.sample_weights.weigh(device, update.num_samples)
         note = "" if trusted.note.startswith("cold start") else trusted.note
         if note:
-            self.metrics.rejected.labels("weight_clipped").inc()
+            self.metrics.bounded.labels("weight").inc()
             log.warning("update from %s: %s", device, note)
         try:
             weight = float(self.server_rule.weight(trusted.weight, update.metrics))
@@ -652,13 +652,13 @@ class Coordinator:
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
         for device, (norm, bound) in rnd.aggregate.clipped.items():
             log.warning("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
-            self.metrics.rejected.labels("norm_clipped").inc()
+            self.metrics.bounded.labels("norm").inc()
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         for device, cosine in rnd.aggregate.gated.items():
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)
-            self.metrics.rejected.labels("direction").inc()
+            self.metrics.bounded.labels("direction").inc()
             rnd.device_metrics.setdefault(device, {})["left_out"] = f"direction (cosine {cosine:.2f})"
         for device, (norm, bound) in rnd.aggregate.clipped.items():
             rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"

@@ -35,6 +35,9 @@ def format_round(record: dict[str, Any], rounds: int) -> str:
     width = len(str(rounds))
     rejected = sum(record["rejected"].values())
     extra = f"  rejected {rejected}" if rejected else ""
+    bounded = record.get("clipped") or {}
+    if bounded:  # accepted, but the server bounded them (weight, norm) or left them out (direction)
+        extra += "  bounded " + ", ".join(f"{how} {n}" for how, n in sorted(bounded.items()))
     if record["closed"] == "abandoned":
         extra += "  ABANDONED (no quorum)"
     return (f"round {record['round']:>{width}}/{rounds}  participants {record['participants']:>3}/{record['selected']:<3} "
