@@ -218,8 +218,7 @@ def test_an_update_accepted_in_an_abandoned_attempt_may_answer_the_next_attempt(
     c._on_update(first, "d1", _update_for(c, "d1", attempt=1), time.time())
     assert first.aggregate.count == 1
     second = Round(1, 2, {"d1", "d2"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound))
-    c._on_update(second, "d1", _update_for(c, "d1", attempt=1), time.time())  # the old answer, resent: not refolded
-    c._on_update(second, "d1", _update_for(c, "d1", attempt=1, metrics={"steps": 3}), time.time())
+    c._on_update(second, "d1", _update_for(c, "d1", attempt=1), time.time())  # the old attempt's answer again
     assert c.rejections["replay"] == 1 and second.aggregate.count == 0
     c._on_update(second, "d1", _update_for(c, "d1", attempt=2), time.time())
     assert second.aggregate.count == 1 and sum(c.rejections.values()) == 1
