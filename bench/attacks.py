@@ -53,10 +53,14 @@ AGGREGATIONS: dict[str, dict] = {
     "default": {},
     "clipped_mean": {"aggregator": "mean"},
     "tight": {"weight_cap": 1.0, "norm_bound": 1.0},
+    # FLTrust-style: the gate's direction from 2 epochs on 100 trusted images held by the coordinator
+    # (the last 100 of the test set, evaluated on the other 900)
+    "root": {"reference": "root"},
     "trimmed_mean": {"aggregator": "trimmed_mean"},
     "median": {"aggregator": "median"},
 }
 BACKDOOR_CLASS = 0
+ROOT_FROM = 900  # "root": test images from here on are the coordinator's trusted root set
 
 
 def attackers_of(fraction: float, devices: list[str], seed: int) -> set[str]:
@@ -82,7 +86,10 @@ def run_one(attack: str, fraction: float, aggregation: str, seed: int, rounds: i
     settings = RoundSettings(**AGGREGATIONS[aggregation])
     devices = [f"dev-{i:03d}" for i in range(len(fed.clients))]
     keys = {d: signing.new_key() for d in devices}
-    coordinator = Coordinator("bench", fed.arch, fed.test, settings, seed=seed, device_keys=keys)
+    test, root = fed.test, None
+    if settings.reference == "root":
+        test, root = fed.test.subset(np.arange(ROOT_FROM)), fed.test.subset(np.arange(ROOT_FROM, len(fed.test)))
+    coordinator = Coordinator("bench", fed.arch, test, settings, seed=seed, device_keys=keys, root_set=root)
     algorithm = algorithms.get(settings.algorithm)
     data = dict(zip(devices, fed.clients))
     bad = attackers_of(fraction, devices, seed) if attack != "clean" else set()

@@ -6,6 +6,7 @@
     test_data = "/var/lib/edgefl-coordinator/test.npz"   # held-out set (arrays x, y)
     rounds = 0                           # 0 = run until stopped
     seed = 0
+    root_data = ""                       # trusted (x, y) for reference = "root"; never the test set
 
     [broker]
     host = "127.0.0.1"                   # where the coordinator itself connects
@@ -35,7 +36,8 @@
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
     weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
     norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
-    aggregator = "mean"                  # mean | trimmed_mean | median
+    aggregator = "gated_mean"            # gated_mean | mean | trimmed_mean | median
+    reference = "median"                 # gated_mean's direction: "median", or "root" (needs root_data)
     serve_average = 0.75                 # evaluate/keep an average of the last global models (0 = off)
 
     [storage]
@@ -74,6 +76,7 @@ class FederationSettings:
     model: str = "mnist_cnn"
     rounds: int = 0
     seed: int = 0
+    root_data: str = ""  # a small trusted labelled set (x, y), for [rounds] reference = "root"
 
     def validate(self) -> None:
         topics.check_name("federation", self.name)

@@ -42,6 +42,7 @@ from models.architectures import build_model, get_weights, set_weights
 from models.datasets import Dataset
 
 from . import limits
+from .reference import root_direction
 from .aggregation import StreamingMean
 from .broker import COORDINATOR_USER
 from .robust import AGGREGATORS, RobustRound, l2_norm
@@ -82,6 +83,7 @@ class RoundSettings:
     norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
     aggregator: str = "gated_mean"  # gated_mean | mean | trimmed_mean | median (see broker_coordinator/robust.py)
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
+    reference: str = "median"  # gated_mean's direction: the round's median, or "root" (needs root data)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
@@ -111,6 +113,7 @@ class RoundSettings:
                                                            "norm of recent updates)"),
             (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
             (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
+            (self.reference in ("median", "root"), "reference must be median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
         ]
@@ -166,8 +169,12 @@ class Coordinator:
     def __init__(self, federation: str, arch: str, test_set: Dataset, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
                  on_state: Callable[[Round], None] | None = None,
-                 device_keys: Mapping[str, bytes] | None = None) -> None:
+                 device_keys: Mapping[str, bytes] | None = None, root_set: Dataset | None = None) -> None:
         settings.validate()
+        if settings.reference == "root" and (root_set is None or len(root_set) == 0):
+            raise ValueError("reference = \"root\" needs a small labelled dataset on the coordinator: set "
+                             "[federation] root_data (not the test set)")
+        self.root_set = root_set
         self.fed = topics.check_name("federation", federation)
         self.arch, self.settings, self.test_set = arch, settings, test_set
         self.store, self.metrics, self.on_state = store, metrics or Metrics(), on_state
@@ -531,7 +538,8 @@ class Coordinator:
         self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
         self.sample_weights.start_round()
         rnd = Round(round_no, attempt, cohort, deadline, self.version,
-                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps))
+                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
+                                self._reference(round_no)))
         if self.on_state:
             self.on_state(rnd)
         if len(cohort) < s.min_updates:
@@ -607,7 +615,8 @@ class Coordinator:
         self.sample_weights.start_round()
         s = self.settings
         rnd = Round(round_no, 1, set(answers), time.time() + s.round_timeout, self.version,
-                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps))
+                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
+                                self._reference(round_no)))
         rnd.move(RoundState.COLLECTING)
         for device, payload in answers.items():
             self._on_update(rnd, device, payload, time.time())
@@ -616,6 +625,13 @@ class Coordinator:
             raise RoundFailed(f"round {round_no}: no update was accepted ({dict(rnd.rejected)})")
         rnd.move(RoundState.CLOSED)
         return self._conclude(rnd, base_sha)
+
+    def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
+        if self.settings.reference != "root":
+            return None
+        base = dict(self.weights)  # the model this round's devices trained from
+        lr = float(self.settings.task_hparams(round_no)["lr"])
+        return lambda names: root_direction(self.arch, base, self.root_set, names, lr, seed=round_no)
 
     def _conclude(self, rnd: Round, base_sha: str) -> RoundRecord:
         """A closed round: the server rule's new global model, evaluation, checkpoint."""

@@ -25,7 +25,7 @@ sample weights and step normalization: that is their price.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +51,11 @@ def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
 
 class RobustRound:
     def __init__(self, specs: Mapping[str, tuple[int, ...]], bound: NormBound, aggregator: str = "gated_mean",
-                 trim: float = 0.2, normalize_steps: bool = False) -> None:
+                 trim: float = 0.2, normalize_steps: bool = False,
+                 reference: Callable[[list[str]], np.ndarray] | None = None) -> None:
+        """`reference(names)`, if given, is the gate's direction (flattened in the order of `names`)
+        instead of the round's coordinate-wise median (see `reference.py`)."""
+        self.reference = reference
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
         self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
@@ -112,7 +116,7 @@ class RobustRound:
             return clipped  # no majority to speak of
         names = list(self.specs)
         flat = np.stack([np.concatenate([np.ravel(d[n]) for n in names]) for _, d in clipped]).astype(np.float32)
-        reference = np.median(flat, axis=0)
+        reference = self.reference(names) if self.reference else np.median(flat, axis=0)
         ref_norm = float(np.linalg.norm(reference)) or 1.0
         cosines = flat @ reference / (np.linalg.norm(flat, axis=1).clip(min=1e-12) * ref_norm)
         keep_at_least = -(-len(clipped) // 2)

@@ -147,3 +147,22 @@ def test_the_gate_leaves_out_a_reversed_update_and_keeps_the_majority():
     mean = rnd.mean()["w"]
     assert set(rnd.gated) == {"flip"} and rnd.gated["flip"] < 0
     assert np.allclose(mean, np.mean(honest, axis=0), atol=1e-5)
+
+
+def test_a_root_reference_replaces_the_median():
+    rng = np.random.default_rng(1)
+    trusted = rng.standard_normal(16).astype(np.float32)
+    rnd = RobustRound({"w": (16,)}, NormBound(multiplier=0), "gated_mean", reference=lambda names: trusted)
+    for i in range(3):  # a majority that points away from what the trusted data says
+        rnd.add(f"x{i}", {"w": -trusted}, 1.0)
+    for i in range(2):
+        rnd.add(f"h{i}", {"w": trusted}, 1.0)
+    rnd.mean()
+    assert len(rnd.gated) == 2 and all(d.startswith("x") for d in rnd.gated)  # half the round (3) is kept
+
+
+def test_root_reference_needs_root_data():
+    from broker_coordinator.coordinator import Coordinator, RoundSettings
+    from models import datasets
+    with pytest.raises(ValueError, match="root_data"):
+        Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(reference="root"))
