@@ -22,6 +22,10 @@ Attacks (each on top of the attacker's honestly trained delta d):
 - backdoor: trained with every label set to class 0, then 3x
 - colluding: all attackers in the round send the same -4 x (mean of their d)
 
+And `absent`: the same devices send nothing. Under non-IID data their data is
+lost with them, so this is the best any defense can reach, the fair yardstick
+beside the clean run.
+
 Writes bench/results/attacks.json ({"clean": acc, "default_aggregator": NAME,
 "runs": {"ATTACK@FRACTION": {"AGGREGATOR": final_accuracy}}}) and attacks.md.
 Runs are cached in bench/results/attacks_runs/ (resumable).
@@ -45,7 +49,7 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "attacks_runs"
-ATTACKS = ("scaled", "sign_flip", "inflated_count", "backdoor", "colluding")
+ATTACKS = ("scaled", "sign_flip", "inflated_count", "backdoor", "colluding", "absent")
 FRACTIONS = (0.1, 0.3)
 # name -> RoundSettings overrides. "unprotected" is the coordinator before issue 10.
 AGGREGATIONS: dict[str, dict] = {
@@ -117,6 +121,8 @@ def run_one(attack: str, fraction: float, aggregation: str, seed: int, rounds: i
             shared = {n: -4.0 * np.mean([deltas[d][0][n] for d in in_round], axis=0) for n in names}
         answers = {}
         for device in cohort:
+            if attack == "absent" and device in bad:
+                continue
             delta, metrics = deltas[device]
             num_samples = samples[device]
             if device in bad:
