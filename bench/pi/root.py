@@ -65,24 +65,24 @@ def host_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def build_base(base: Path, echo=print) -> None:
-    """debootstrap the minimal arm64 root once; a finished one (marker file) is reused."""
+def build_base(base: Path, echo=print, arch: str = "arm64", include: str = INCLUDE) -> None:
+    """debootstrap a minimal bookworm root once; a finished one (marker file) is reused."""
     marker = base / ".edgefl-base-complete"
     if marker.exists():
-        echo(f"reusing the cached arm64 root {base}")
+        echo(f"reusing the cached {arch} root {base}")
         return
     partial = base.with_name(base.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     mirror = host_mirror()
-    echo(f"building the arm64 root in {base} with debootstrap from {mirror} (about 4-10 minutes, once)")
-    done = subprocess.run(["debootstrap", "--arch=arm64", "--variant=minbase", f"--include={INCLUDE}", "bookworm",
+    echo(f"building the {arch} root in {base} with debootstrap from {mirror} (about 4-10 minutes, once)")
+    done = subprocess.run(["debootstrap", f"--arch={arch}", "--variant=minbase", f"--include={include}", "bookworm",
                            str(partial), mirror], capture_output=True, text=True)
     if done.returncode != 0:
         raise SetupError(f"debootstrap failed ({done.returncode}); its last lines:\n{done.stdout[-1500:]}"
                          f"{done.stderr[-1500:]}")
     partial.rename(base)
-    marker.write_text(f"debootstrap --arch=arm64 --variant=minbase --include={INCLUDE} bookworm {mirror}\n")
+    marker.write_text(f"debootstrap --arch={arch} --variant=minbase --include={include} bookworm {mirror}\n")
 
 
 def fresh_copy(base: Path, root: Path) -> None:
