@@ -40,7 +40,17 @@ README_HEADING = "### Install on a Raspberry Pi"
 GUEST_PROJECT = "/opt/edgefl"
 GUEST_PYTHON = f"{GUEST_PROJECT}/.venv/bin/python"
 SIZE_EXCLUDES = ["var/cache/apt", "var/lib/apt/lists", "var/log", "tmp", "root/.cache", ".edgefl-base-complete"]
-TORCH_BUILD = "Debian bookworm python3-torch (CPU-only), in a venv with --system-site-packages"
+# what to install: the README's Pi block, or the other candidate measured beside it
+CANDIDATES = {
+    "debian": {"build": "Debian bookworm python3-torch (CPU-only), in a venv with --system-site-packages",
+               "commands": None},
+    "pypi": {"build": "PyPI's aarch64 torch 2.9.1 wheel (CPU-only) in a plain venv",
+             "commands": ["sudo apt-get update",
+                          "sudo apt-get install -y --no-install-recommends python3-venv python3-pip git make",
+                          "sudo git clone https://github.com/edgefl/edgefl /opt/edgefl && cd /opt/edgefl && "
+                          "sudo make setup TORCH=pip TORCH_SPEC=torch==2.9.1"]},
+}
+README_CANDIDATE = "debian"
 
 
 def readme_install_commands() -> list[str]:
@@ -68,9 +78,9 @@ def copy_checkout(destination: Path) -> None:
             shutil.copy2(source, destination / name)
 
 
-def install_as_readme(root: Path, cpu: str, log: Path, echo) -> list[dict]:
+def install_as_readme(root: Path, cpu: str, log: Path, echo, commands: list[str]) -> list[dict]:
     steps = []
-    for command in readme_install_commands():
+    for command in commands:
         shell = command.replace("sudo ", "")
         clone = re.match(r"git clone \S+ (\S+)(?: && (.*))?$", shell)
         if clone:
@@ -227,6 +237,8 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("PI_ROOT_CACHE", "/var/cache/edgefl-pi-root")))
     parser.add_argument("--pis", default="pi4,pi5")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--torch", choices=sorted(CANDIDATES), default=README_CANDIDATE,
+                        help=f"which install to check ({README_CANDIDATE}: the README's)")
     parser.add_argument("--reuse-install", action="store_true",
                         help="skip the fresh copy and install when a previous run left an installed root")
     args = parser.parse_args()
@@ -244,9 +256,11 @@ def main() -> int:
 
 def run(args: argparse.Namespace, echo) -> dict:
     cache: Path = args.cache
-    base, root, logs = cache / "base", cache / "pi", cache / "logs"
+    candidate = CANDIDATES[args.torch]
+    base, root, logs = cache / "base", cache / f"pi-{args.torch}", cache / "logs" / args.torch
     logs.mkdir(parents=True, exist_ok=True)
     pi_root.build_base(base, echo)
+    commands = candidate["commands"] or readme_install_commands()
     install_log = logs / "install.log"
     first_cpu = PIS[args.pis.split(",")[0]]
     marker = root / ".edgefl-installed.json"
@@ -258,13 +272,15 @@ def run(args: argparse.Namespace, echo) -> dict:
         pi_root.fresh_copy(base, root)
         install_log.write_text("")
         with pi_root.mounted(root, cache / "apt-archives"):
-            steps = install_as_readme(root, first_cpu, install_log, echo)
+            steps = install_as_readme(root, first_cpu, install_log, echo, commands)
         base_mb = pi_root.size_mb(base, SIZE_EXCLUDES)
         root_mb = pi_root.size_mb(root, SIZE_EXCLUDES)
-        install = {"commands": steps, "base_root_mb": base_mb, "root_mb": root_mb,
+        torch_dirs = [p for p in root.glob("usr/lib/python3/dist-packages/torch")] + \
+            [p for p in root.glob("opt/edgefl/.venv/lib/python3*/site-packages/torch")]
+        install = {"commands": steps, "from_readme": candidate["commands"] is None, "base_root_mb": base_mb, "root_mb": root_mb,
                    "installed_mb": round(root_mb - base_mb, 1),
                    "venv_mb": pi_root.size_mb(root / GUEST_PROJECT.lstrip("/") / ".venv", []),
-                   "torch_package_mb": pi_root.size_mb(root / "usr/lib/python3/dist-packages/torch", []),
+                   "torch_package_mb": sum(pi_root.size_mb(p, []) for p in torch_dirs),
                    "installed_method": "du of the root after the README's install minus du of the debootstrap "
                                        f"minbase root with python3 (both without {', '.join(SIZE_EXCLUDES)}): "
                                        "torch and its Debian libraries, the venv, the project checkout"}
@@ -280,7 +296,7 @@ def run(args: argparse.Namespace, echo) -> dict:
         subprocess.run([sys.executable, str(PROJECT / "bench/pi/train_probe.py"), "make-inputs", model,
                         str(inputs[model])], check=True, cwd=PROJECT)
 
-    report: dict = {"torch": None, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    report: dict = {"torch": None, "candidate": args.torch, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "command": "make pi-check", "emulation": "qemu-user-static (Debian bookworm) via binfmt, chroot",
                     "cores_forced": PI_CORES, "memory_method": METHOD, "install": install, "pis": {}}
     with pi_root.mounted(root):
@@ -293,7 +309,7 @@ def run(args: argparse.Namespace, echo) -> dict:
             if not imports["ok"]:
                 raise pi_root.SetupError(f"import failed under {cpu}; see {log}:\n{imports['output']}")
             info = imports["info"]
-            report["torch"] = f"{TORCH_BUILD}: torch {info['torch']}, cuda {info['cuda']}, numpy {info['numpy']}"
+            report["torch"] = f"{candidate['build']}: torch {info['torch']}, cuda {info['cuda']}, numpy {info['numpy']}"
             threads = info["default_threads_4_cores"]
             echo(f"{pi}: torch {info['torch']} on {info['machine']}, LSE atomics {info['lse_atomics']}, "
                  f"default threads for {PI_CORES} cores {threads}; 20 steps of {', '.join(MODELS)}")
@@ -317,10 +333,25 @@ def run(args: argparse.Namespace, echo) -> dict:
     return report
 
 
+def summary(report: dict) -> dict:
+    keys = ["installed_mb", "import_rss_mb", "train_rss_mb", "train_ok", "max_rel_diff_vs_x86", "default_threads",
+            "federation_rounds", "updates_accepted"]
+    return {"torch": report["torch"], "measured": report["measured"],
+            "pis": {pi: {k: v.get(k) for k in keys} for pi, v in report["pis"].items()}}
+
+
 def write_results(report: dict) -> None:
+    """pi_check_<candidate>.json for each candidate; pi_check.json and .md for the README's, with the others beside."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "pi_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (RESULTS / "pi_check.md").write_text(markdown(report))
+    (RESULTS / f"pi_check_{report['candidate']}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    main_path = RESULTS / f"pi_check_{README_CANDIDATE}.json"
+    if not main_path.exists():
+        return
+    chosen = json.loads(main_path.read_text())
+    chosen["candidates"] = {name: summary(json.loads((RESULTS / f"pi_check_{name}.json").read_text()))
+                            for name in CANDIDATES if (RESULTS / f"pi_check_{name}.json").exists()}
+    (RESULTS / "pi_check.json").write_text(json.dumps(chosen, indent=1, default=str) + "\n")
+    (RESULTS / "pi_check.md").write_text(markdown(chosen))
 
 
 def markdown(report: dict) -> str:
@@ -347,6 +378,12 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {r['model']} | {r['threads']} | {_cell(r.get('final_loss'))} | "
                          f"{_cell(r.get('x86_final_loss'))} | {_cell(r.get('rel_diff'))} | {r['memory']['guest_mb']} | "
                          f"{r['memory']['qemu_mb_at_peak']} |")
+    others = {k: v for k, v in report.get("candidates", {}).items() if k != report["candidate"]}
+    for name, other in others.items():
+        lines += ["", f"## Candidate not chosen: {name} ({other['torch']}, measured {other['measured']})", "",
+                  "| | " + " | ".join(other["pis"]) + " |", "|---|" + "---|" * len(other["pis"])]
+        for _label, key in [("", "installed_mb")] + rows:
+            lines.append(f"| {key} | " + " | ".join(_cell(p.get(key)) for p in other["pis"].values()) + " |")
     lines += ["", "## `edge-agent status` on the emulated Pi (broker up, after the last round)", ""]
     for name, p in report["pis"].items():
         status = p.get("edge_agent_status") or {}

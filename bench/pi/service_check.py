@@ -35,7 +35,7 @@ from . import root as roots
 
 PROJECT = Path(__file__).resolve().parents[2]
 RESULTS = PROJECT / "bench" / "results"
-INCLUDE = ("systemd,systemd-sysv,dbus,polkitd,sudo,procps,iproute2,mosquitto,mosquitto-clients,git,make,"
+INCLUDE = ("systemd,systemd-sysv,dbus,libpam-systemd,polkitd,sudo,procps,iproute2,mosquitto,mosquitto-clients,git,make,"
            "python3,python3-venv,python3-pip,ca-certificates")
 LOCAL_WHEELS = ["/opt/wheels", "/opt/pypi", "/opt/pypi-more"]  # this machine's pip sources, when present
 PIP_CONFIGS = ["etc/pip.conf", "etc/xdg/pip", "root/.config/pip"]
