@@ -87,7 +87,7 @@ def install_as_readme(root: Path, cpu: str, log: Path, echo, commands: list[str]
             copy_checkout(root / clone.group(1).lstrip("/"))
             steps.append({"command": command, "ran": f"copied this checkout to {clone.group(1)} (no network to the "
                                                       "repository here)"})
-            shell = f"cd {clone.group(1)} && {clone.group(2)}" if clone.group(2) else "true"
+            shell = clone.group(2) or "true"  # the rest of the line, from its own `cd`
             if shell == "true":
                 continue
         echo(f"  [{cpu}] {shell}")

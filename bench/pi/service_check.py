@@ -134,7 +134,7 @@ class Check:
     def command_step(self, name: str, command: str, expect: str | None = None, timeout: float = 600) -> bool:
         done = self.run(command, timeout)
         text = (done.stdout + done.stderr).strip()
-        ok = done.returncode == 0 and (expect is None or re.search(expect, text) is not None)
+        ok = done.returncode == 0 and (expect is None or re.search(expect, done.stdout.strip()) is not None)
         return self.step(name, ok, f"$ {command}\n{text}\n(exit {done.returncode})")
 
     def wait_until(self, command: str, pattern: str, within: float) -> tuple[bool, str]:
@@ -163,6 +163,7 @@ def prepare_root(base: Path, root: Path) -> None:
     from .pi_check import copy_checkout
     copy_checkout(root / "opt/edgefl")
     (root / "etc/hostname").write_text("edgefl-server\n")
+    (root / "etc/hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tedgefl-server\n")  # as an installed Debian has
 
 
 def coordinator_toml(password: str) -> str:
@@ -275,15 +276,23 @@ def hardening(check: Check) -> None:
     step("hardening: LoadCredential (config root-only 0600; the service reads its copy from the credentials dir)",
          "agent.toml" in creds.stdout and "600 root" in creds.stdout and "Permission denied" in text, text)
     memory = check.unit_value(unit, "MemoryMax")
-    cgroup = run(f"cat /sys/fs/cgroup/system.slice/{unit}/memory.max 2>&1").stdout.strip()
-    step("hardening: MemoryMax=512M in the unit and the agent's cgroup", memory == str(512 * 2**20) and
-         cgroup == str(512 * 2**20), f"MemoryMax={memory}; cgroup memory.max={cgroup}")
+    # the kernel's limit on the agent's cgroup: cgroup v2 memory.max, or v1 memory.limit_in_bytes
+    limit = run(f"p=$(grep -E '^0::|:memory:' /proc/{pid}/cgroup | sed 's/^[^:]*:[^:]*://' | tail -1); "
+                f"cat /sys/fs/cgroup/$p/memory.max /sys/fs/cgroup/unified/$p/memory.max "
+                f"/sys/fs/cgroup/memory/$p/memory.limit_in_bytes 2>/dev/null; "
+                f"grep -E '^0::|:memory:' /proc/{pid}/cgroup; mount | grep -E 'cgroup.*(memory|cgroup2)'").stdout
+    step("hardening: MemoryMax=512M on the agent's cgroup (the kernel's limit)",
+         memory == str(512 * 2**20) and str(512 * 2**20) in limit.split(),
+         f"unit MemoryMax={memory}; the agent's cgroup and the container's memory controller:\n{limit}")
     reload = run("runuser -u edgefl -- systemctl reload mosquitto.service")
     restart = run("runuser -u edgefl -- systemctl restart mosquitto.service")
-    step("hardening: polkit lets edgefl reload mosquitto, and only reload",
-         reload.returncode == 0 and restart.returncode != 0,
-         f"reload as edgefl: exit {reload.returncode} {reload.stderr.strip()}; restart as edgefl: exit "
-         f"{restart.returncode} {restart.stderr.strip()}")
+    other = run("runuser -u nobody -- systemctl reload mosquitto.service")
+    step("hardening: the polkit rule lets edgefl reload mosquitto, and only reload, and only edgefl",
+         reload.returncode == 0 and restart.returncode != 0 and other.returncode != 0,
+         f"reload as edgefl: exit {reload.returncode}; restart as edgefl: exit {restart.returncode} "
+         f"({restart.stderr.strip().splitlines()[0] if restart.stderr.strip() else ''}); reload as nobody: exit "
+         f"{other.returncode}. (The enrollment above needed this too: the service reloads Mosquitto as edgefl "
+         "before the device's new password works.)")
 
 
 def restarts(check: Check, status: str) -> None:
