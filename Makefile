@@ -34,7 +34,9 @@ ifeq ($(TORCH),system)
 		echo "error: $(PYTHON) has no torch. Install the distribution's CPU-only build, then run make again:"; \
 		echo "    sudo apt-get install -y --no-install-recommends python3-torch"; exit 1; }
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(BIN)/pip install --quiet -e '.$(EXTRAS)'
+	# pinned to the system's torch: pip must never replace it with a download
+	$(PYTHON) -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' > $(VENV)/torch-pin.txt
+	$(BIN)/pip install --quiet -c $(VENV)/torch-pin.txt -e '.$(EXTRAS)'
 else
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
