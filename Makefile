@@ -12,11 +12,12 @@ DEMO_ARGS ?=
 # TORCH=pip: a CPU-only wheel, PyTorch's CPU index first (PyPI's Linux x86 torch is a CUDA
 # build); a CUDA build is refused before download. TORCH=system: the distribution's
 # python3-torch (Debian, Raspberry Pi OS; the default on aarch64) in a venv that sees it.
-TORCH ?= $(if $(filter aarch64 arm64,$(shell uname -m)),system,pip)
+ARM := $(filter aarch64 arm64,$(shell uname -m))
+TORCH ?= $(if $(ARM),system,pip)
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-# a device needs no demo or test extras (matplotlib, scikit-learn, pytest)
-EXTRAS ?= $(if $(filter system,$(TORCH)),,[dev])
+# a device (aarch64, or the distribution's torch) needs no demo or test extras (matplotlib, scikit-learn, pytest)
+EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 
 .PHONY: demo test setup mosquitto clean pi-check service-check
 

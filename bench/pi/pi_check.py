@@ -18,6 +18,7 @@ crashes, never speed. Logs go to CACHE/logs.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -101,6 +102,41 @@ def install_as_readme(root: Path, cpu: str, log: Path, echo, commands: list[str]
             raise pi_root.SetupError(f"the README's Pi install failed at '{command}' (exit {done.returncode}); "
                                      f"see {log}:\n{done.stdout[-2000:]}")
     return steps
+
+
+def _dist_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def extras_mb(site_packages: Path, project: str = "edgefl") -> tuple[float, list[str]]:
+    """MB of the distributions in a venv that the project's runtime requirements (no extras) do not pull in.
+
+    Sizes come from each distribution's RECORD; requirements from its METADATA (markers with `extra` skipped)."""
+    dists: dict[str, tuple[Path, list[str]]] = {}
+    for info in site_packages.glob("*.dist-info"):
+        meta = (info / "METADATA").read_text(errors="replace") if (info / "METADATA").exists() else ""
+        name = re.search(r"^Name: (.+)$", meta, re.M)
+        requires = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
+        if name:
+            dists[_dist_name(name.group(1))] = (info, [_dist_name(re.split(r"[ ;<>=!~\[(]", r, 1)[0]) for r in requires])
+    needed, todo = set(), [project]
+    while todo:
+        name = todo.pop()
+        if name in needed or name not in dists:
+            continue
+        needed.add(name)
+        todo += dists[name][1]
+    extra_bytes, names = 0, []
+    for name, (info, _) in dists.items():
+        if name in needed or name in ("pip", "setuptools"):
+            continue
+        names.append(name)
+        for line in (info / "RECORD").read_text().splitlines() if (info / "RECORD").exists() else []:
+            parts = line.rsplit(",", 2)
+            path = (info.parent / parts[0]).resolve()
+            if path.is_file():
+                extra_bytes += path.stat().st_size
+    return round(extra_bytes / 2**20, 1), sorted(names)
 
 
 def measured(root: Path, cpu: str, argv: list[str], log: Path, timeout: float = 3600,
@@ -259,6 +295,11 @@ def run(args: argparse.Namespace, echo) -> dict:
     candidate = CANDIDATES[args.torch]
     base, root, logs = cache / "base", cache / f"pi-{args.torch}", cache / "logs" / args.torch
     logs.mkdir(parents=True, exist_ok=True)
+    lock = open(cache / f".pi-{args.torch}.lock", "w")  # held until exit: one run per root
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise pi_root.SetupError(f"another pi-check is using {root}; wait for it to finish") from None
     pi_root.build_base(base, echo)
     commands = candidate["commands"] or readme_install_commands()
     install_log = logs / "install.log"
@@ -284,6 +325,12 @@ def run(args: argparse.Namespace, echo) -> dict:
                    "installed_method": "du of the root after the README's install minus du of the debootstrap "
                                        f"minbase root with python3 (both without {', '.join(SIZE_EXCLUDES)}): "
                                        "torch and its Debian libraries, the venv, the project checkout"}
+        marker.write_text(json.dumps(install))
+    if "dev_extras_mb" not in install:  # what `.[dev]` added, if the install took it: not needed on a device
+        venvs = list(root.glob("opt/edgefl/.venv/lib/python3*/site-packages"))
+        extra, names = extras_mb(venvs[0]) if venvs else (0.0, [])
+        install.update(dev_extras_mb=extra, dev_extras=names, installed_with_dev_extras_mb=install["installed_mb"],
+                       installed_mb=round(install["installed_mb"] - extra, 1))
         marker.write_text(json.dumps(install))
     echo(f"installed: {install['installed_mb']} MB (root {install['root_mb']} MB, minimal base "
          f"{install['base_root_mb']} MB)")
