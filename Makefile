@@ -10,11 +10,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
 # TORCH=pip: a CPU-only wheel, PyTorch's CPU index first (PyPI's Linux x86 torch is a CUDA
-# build); a CUDA build is refused before download. TORCH=system: the distribution's
-# python3-torch (Debian, Raspberry Pi OS; the default on aarch64) in a venv that sees it.
+# build); a CUDA build is refused before download. On aarch64 (a Raspberry Pi) PyPI's 2.9.1
+# is a CPU build that `make pi-check` measured on Pi 4 and Pi 5 CPUs (2.13.0 there is CUDA).
+# TORCH=system: the distribution's python3-torch (Debian bookworm: 1.13.1) in a venv that sees it.
 ARM := $(filter aarch64 arm64,$(shell uname -m))
-TORCH ?= $(if $(ARM),system,pip)
-TORCH_SPEC ?= torch==2.13.0
+TORCH ?= pip
+TORCH_SPEC ?= $(if $(ARM),torch==2.9.1,torch==2.13.0)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # a device (aarch64, or the distribution's torch) needs no demo or test extras (matplotlib, scikit-learn, pytest)
 EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])

@@ -43,15 +43,15 @@ GUEST_PYTHON = f"{GUEST_PROJECT}/.venv/bin/python"
 SIZE_EXCLUDES = ["var/cache/apt", "var/lib/apt/lists", "var/log", "tmp", "root/.cache", ".edgefl-base-complete"]
 # what to install: the README's Pi block, or the other candidate measured beside it
 CANDIDATES = {
+    "pypi": {"build": "PyPI's aarch64 torch 2.9.1 wheel (CPU-only) in a plain venv", "commands": None},
     "debian": {"build": "Debian bookworm python3-torch (CPU-only), in a venv with --system-site-packages",
-               "commands": None},
-    "pypi": {"build": "PyPI's aarch64 torch 2.9.1 wheel (CPU-only) in a plain venv",
-             "commands": ["sudo apt-get update",
-                          "sudo apt-get install -y --no-install-recommends python3-venv python3-pip git make",
-                          "sudo git clone https://github.com/edgefl/edgefl /opt/edgefl && cd /opt/edgefl && "
-                          "sudo make setup TORCH=pip TORCH_SPEC=torch==2.9.1"]},
+               "commands": ["sudo apt-get update",
+                            "sudo apt-get install -y --no-install-recommends python3-torch python3-venv python3-pip "
+                            "git make",
+                            "sudo git clone https://github.com/edgefl/edgefl /opt/edgefl && cd /opt/edgefl && "
+                            "sudo make setup TORCH=system"]},
 }
-README_CANDIDATE = "debian"
+README_CANDIDATE = "pypi"
 
 
 def readme_install_commands() -> list[str]:
@@ -137,6 +137,28 @@ def extras_mb(site_packages: Path, project: str = "edgefl") -> tuple[float, list
             if path.is_file():
                 extra_bytes += path.stat().st_size
     return round(extra_bytes / 2**20, 1), sorted(names)
+
+
+def without_dev_extras(root: Path, install: dict) -> None:
+    """What `.[dev]` added, if the install took it, is not needed on a device: count it apart."""
+    if "dev_extras_mb" in install:
+        return
+    venvs = list(root.glob("opt/edgefl/.venv/lib/python3*/site-packages"))
+    extra, names = extras_mb(venvs[0]) if venvs else (0.0, [])
+    install.update(dev_extras_mb=extra, dev_extras=names, installed_with_dev_extras_mb=install["installed_mb"],
+                   installed_mb=round(install["installed_mb"] - extra, 1))
+
+
+def resize(args: argparse.Namespace, echo) -> int:
+    path = RESULTS / f"pi_check_{args.torch}.json"
+    report = json.loads(path.read_text())
+    without_dev_extras(args.cache / f"pi-{args.torch}", report["install"])
+    for pi in report["pis"].values():
+        pi["installed_mb"] = report["install"]["installed_mb"]
+    write_results(report)
+    echo(f"{path.name}: installed {report['install']['installed_mb']} MB without the dev extras "
+         f"({report['install']['dev_extras_mb']} MB: {', '.join(report['install']['dev_extras'])})")
+    return 0
 
 
 def measured(root: Path, cpu: str, argv: list[str], log: Path, timeout: float = 3600,
@@ -275,10 +297,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch", choices=sorted(CANDIDATES), default=README_CANDIDATE,
                         help=f"which install to check ({README_CANDIDATE}: the README's)")
+    parser.add_argument("--sizes-only", action="store_true",
+                        help="recompute the installed sizes of an existing run's root and results file, run nothing")
     parser.add_argument("--reuse-install", action="store_true",
                         help="skip the fresh copy and install when a previous run left an installed root")
     args = parser.parse_args()
     echo = lambda line: print(line, flush=True)  # noqa: E731
+    if args.sizes_only:
+        return resize(args, echo)
     try:
         pi_root.preflight()
         report = run(args, echo)
@@ -326,12 +352,8 @@ def run(args: argparse.Namespace, echo) -> dict:
                                        f"minbase root with python3 (both without {', '.join(SIZE_EXCLUDES)}): "
                                        "torch and its Debian libraries, the venv, the project checkout"}
         marker.write_text(json.dumps(install))
-    if "dev_extras_mb" not in install:  # what `.[dev]` added, if the install took it: not needed on a device
-        venvs = list(root.glob("opt/edgefl/.venv/lib/python3*/site-packages"))
-        extra, names = extras_mb(venvs[0]) if venvs else (0.0, [])
-        install.update(dev_extras_mb=extra, dev_extras=names, installed_with_dev_extras_mb=install["installed_mb"],
-                       installed_mb=round(install["installed_mb"] - extra, 1))
-        marker.write_text(json.dumps(install))
+    without_dev_extras(root, install)
+    marker.write_text(json.dumps(install))
     echo(f"installed: {install['installed_mb']} MB (root {install['root_mb']} MB, minimal base "
          f"{install['base_root_mb']} MB)")
 
