@@ -147,6 +147,15 @@ def without_dev_extras(root: Path, install: dict) -> None:
     extra, names = extras_mb(venvs[0]) if venvs else (0.0, [])
     install.update(dev_extras_mb=extra, dev_extras=names, installed_with_dev_extras_mb=install["installed_mb"],
                    installed_mb=round(install["installed_mb"] - extra, 1))
+    parts = {"torch": "torch", "torch.libs": "torch.libs", "numpy": "numpy*", "sympy": "sympy", "networkx": "networkx"}
+    install["breakdown_mb"] = {
+        name: round(sum(pi_root.size_mb(p, []) for v in [*venvs, root / "usr/lib/python3/dist-packages"]
+                        for p in v.glob(pattern)), 1)
+        for name, pattern in parts.items()}
+    checkout = pi_root.size_mb(root / GUEST_PROJECT.lstrip("/"), [".venv"])
+    install["breakdown_mb"].update(project_checkout=checkout, venv_without_dev_extras=round(install["venv_mb"] - extra, 1),
+                                   outside_the_venv=round(install["installed_with_dev_extras_mb"] - install["venv_mb"]
+                                                          - checkout, 1))
 
 
 def resize(args: argparse.Namespace, echo) -> int:
@@ -297,6 +306,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch", choices=sorted(CANDIDATES), default=README_CANDIDATE,
                         help=f"which install to check ({README_CANDIDATE}: the README's)")
+    parser.add_argument("--install-only", action="store_true", help="install and measure the size; no Pi checks")
     parser.add_argument("--sizes-only", action="store_true",
                         help="recompute the installed sizes of an existing run's root and results file, run nothing")
     parser.add_argument("--reuse-install", action="store_true",
@@ -368,6 +378,10 @@ def run(args: argparse.Namespace, echo) -> dict:
     report: dict = {"torch": None, "candidate": args.torch, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "command": "make pi-check", "emulation": "qemu-user-static (Debian bookworm) via binfmt, chroot",
                     "cores_forced": PI_CORES, "memory_method": METHOD, "install": install, "pis": {}}
+    if args.install_only:
+        report.update(torch=candidate["build"], pis_not_checked="--install-only: install and size measured, no Pi checks")
+        write_results(report)
+        return report
     with pi_root.mounted(root):
         for pi in args.pis.split(","):
             cpu = PIS[pi]
