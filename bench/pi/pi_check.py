@@ -139,6 +139,11 @@ def extras_mb(site_packages: Path, project: str = "edgefl") -> tuple[float, list
     return round(extra_bytes / 2**20, 1), sorted(names)
 
 
+INSTALLED_METHOD = ("du of the root after the install minus du of the debootstrap minbase root with python3 (both without "
+                    f"{', '.join(SIZE_EXCLUDES)}): torch and all it needs, apt's packages, the venv, the project "
+                    "checkout; minus what the dev extras added, where the install took them (dev_extras_mb)")
+
+
 def without_dev_extras(root: Path, install: dict) -> None:
     """What `.[dev]` added, if the install took it, is not needed on a device: count it apart."""
     if "dev_extras_mb" in install:
@@ -162,6 +167,7 @@ def resize(args: argparse.Namespace, echo) -> int:
     path = RESULTS / f"pi_check_{args.torch}.json"
     report = json.loads(path.read_text())
     without_dev_extras(args.cache / f"pi-{args.torch}", report["install"])
+    report["install"]["installed_method"] = INSTALLED_METHOD
     for pi in report["pis"].values():
         pi["installed_mb"] = report["install"]["installed_mb"]
     write_results(report)
@@ -358,9 +364,7 @@ def run(args: argparse.Namespace, echo) -> dict:
                    "installed_mb": round(root_mb - base_mb, 1),
                    "venv_mb": pi_root.size_mb(root / GUEST_PROJECT.lstrip("/") / ".venv", []),
                    "torch_package_mb": sum(pi_root.size_mb(p, []) for p in torch_dirs),
-                   "installed_method": "du of the root after the README's install minus du of the debootstrap "
-                                       f"minbase root with python3 (both without {', '.join(SIZE_EXCLUDES)}): "
-                                       "torch and its Debian libraries, the venv, the project checkout"}
+                   "installed_method": INSTALLED_METHOD}
         marker.write_text(json.dumps(install))
     without_dev_extras(root, install)
     marker.write_text(json.dumps(install))
