@@ -1,14 +1,26 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
-# Both create .venv, install the project with the CPU build of torch, and make
+# Both create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
+# `make pi-check` and `make service-check` (root, several minutes each; not in
+# `make test` or CI) run the Pi install under aarch64 emulation and the operator
+# guide under real systemd: bench/results/pi_check.json, service_check.json.
 
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
+# TORCH=pip: a CPU-only wheel, PyTorch's CPU index first (PyPI's Linux x86 torch is a CUDA
+# build); a CUDA build is refused before download. On aarch64 (a Raspberry Pi) PyPI's 2.9.1
+# is a CPU build that `make pi-check` measured on Pi 4 and Pi 5 CPUs (2.13.0 there is CUDA).
+# TORCH=system: the distribution's python3-torch (Debian bookworm: 1.13.1) in a venv that sees it.
+ARM := $(filter aarch64 arm64,$(shell uname -m))
+TORCH ?= pip
+TORCH_SPEC ?= $(if $(ARM),torch==2.9.1,torch==2.13.0)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# a device (aarch64, or the distribution's torch) needs no demo or test extras (matplotlib, scikit-learn, pytest)
+EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill
+.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out $(DEMO_ARGS)
@@ -26,11 +38,24 @@ fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
+ifeq ($(TORCH),system)
+	@$(PYTHON) -c 'import torch' 2>/dev/null || { \
+		echo "error: $(PYTHON) has no torch. Install the distribution's CPU-only build, then run make again:"; \
+		echo "    sudo apt-get install -y --no-install-recommends python3-torch"; exit 1; }
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	# pinned to the system's torch: pip must never replace it with a download
+	$(PYTHON) -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' > $(VENV)/torch-pin.txt
+	$(BIN)/pip install --quiet -c $(VENV)/torch-pin.txt -e '.$(EXTRAS)'
+else
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU wheel first, so the range in pyproject.toml never pulls a CUDA build
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --dry-run --ignore-installed --report $(VENV)/torch-report.json --retries 1 \
+		--extra-index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/python bench/pi/cpu_torch.py $(VENV)/torch-report.json "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.$(EXTRAS)'
+endif
 	touch $@
 
 mosquitto:
@@ -43,6 +68,16 @@ mosquitto:
 		echo "    sudo apt-get install -y mosquitto mosquitto-clients"; \
 		exit 1; \
 	fi
+
+# the Pi install under qemu-user aarch64 emulation (Pi 4 and Pi 5 CPUs); root; arm64 root cached in
+# /var/cache/edgefl-pi-root (PI_ROOT_CACHE=...). Writes bench/results/pi_check.json and .md.
+pi-check: setup mosquitto
+	$(BIN)/python -m bench.pi.pi_check $(PI_CHECK_ARGS)
+
+# the operator guide under systemd as PID 1 in systemd-nspawn containers; root.
+# Writes bench/results/service_check.json.
+service-check: setup
+	$(BIN)/python -m bench.pi.service_check $(SERVICE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -77,8 +77,10 @@ def spawn_agent(config: Path, log_path: Path) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
-def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[dict]:
-    """Run the federation; write history.json and accuracy.png into spec.out; return the rounds."""
+def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=spawn_agent) -> list[dict]:
+    """Run the federation; write history.json and accuracy.png into spec.out; return the rounds.
+
+    `spawn(config, log_path)` starts one agent process (bench/pi/pi_check.py starts one under emulation)."""
     settings.validate()
     data = datasets.load(spec.dataset, num_users=spec.agents, seed=spec.seed)
     out = spec.out
@@ -112,7 +114,7 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
             for device, shard in zip(devices, shard_paths):
                 config = shard.parent / "agent.toml"
                 write_agent_config(config, device, passwords[device], broker.port, spec, shard, keys[device])
-                processes.append(spawn_agent(config, shard.parent / "agent.log"))
+                processes.append(spawn(config, shard.parent / "agent.log"))
             echo(f"started {len(processes)} agent processes; waiting for them to come online")
             coordinator.wait_for_devices(spec.agents, spec.startup_timeout,
                                          progress=lambda n, total: echo(f"  {n}/{total} agents online"))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import signal
 import threading
@@ -42,7 +41,7 @@ from models.architectures import ARCHITECTURES, build_model, get_weights, set_we
 from models.datasets import load_npz
 
 from .config import AgentConfig
-from .hardware import calibrate, plan_epochs, probe
+from .hardware import calibrate, default_threads, plan_epochs, probe
 from .runtime import record_session
 from .state import DeviceState, atomic_write
 from .training import LocalSettings, Stopped, train_locally
@@ -84,7 +83,7 @@ class Agent:
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
-        threads = config.device.threads or max(1, (os.cpu_count() or 2) - 1)
+        threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
         self.profile = {**probe(), "threads": threads, "samples": len(self.data)}
         b = config.broker

@@ -12,7 +12,7 @@
     federation = "default"
     data = "/var/lib/edgefl/data.npz"   # local data: arrays x and y
     state_dir = "/var/lib/edgefl"
-    threads = 0                 # torch threads; 0 = cores minus one, at least one
+    threads = 0                 # torch threads; 0 = cores minus one, at least one (hardware.default_threads)
     signing_key = "<64 hex digits>"     # this device's HMAC-SHA256 key for its updates (from enrollment)
 
 Environment overrides: EDGEFL_AGENT_BROKER_HOST, EDGEFL_AGENT_DEVICE_THREADS, ...

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import struct
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -25,29 +28,75 @@ HIGH_TAU = 0.15  # radians
 DEADLINE_MARGIN = 0.7  # plan to use at most this share of the time left
 
 
+def _read(call, default=None):
+    """A psutil or os reading, or `default` where this board has no such sensor or file.
+
+    Boards differ: no battery, no thermal zone, no cpufreq, /sys/class/power_supply
+    missing (psutil raises FileNotFoundError for that one). A missing reading is
+    left out of the profile rather than stopping the agent.
+    """
+    try:
+        return call()
+    except (OSError, NotImplementedError, AttributeError, RuntimeError, ValueError):
+        return default
+
+
 def probe() -> dict[str, float | int | str]:
     """Cores, frequency, memory, load, and temperature / battery where the board reports them."""
-    profile: dict[str, float | int | str] = {
-        "cores": psutil.cpu_count(logical=True) or 1,
-        "memory_mb": round(psutil.virtual_memory().total / 2**20),
-        "memory_available_mb": round(psutil.virtual_memory().available / 2**20),
-        "load1": round(os.getloadavg()[0], 2),
-    }
-    try:
-        freq = psutil.cpu_freq()
-        if freq and freq.max:
-            profile["cpu_mhz_max"] = round(freq.max)
-    except (OSError, NotImplementedError, FileNotFoundError):
-        pass
-    temps = getattr(psutil, "sensors_temperatures", lambda: {})() or {}
+    memory = _read(psutil.virtual_memory)
+    profile: dict[str, float | int | str] = {"cores": _read(lambda: psutil.cpu_count(logical=True)) or 1}
+    if memory is not None:
+        profile["memory_mb"] = round(memory.total / 2**20)
+        profile["memory_available_mb"] = round(memory.available / 2**20)
+    load = _read(os.getloadavg)
+    if load:
+        profile["load1"] = round(load[0], 2)
+    freq = _read(psutil.cpu_freq)
+    if freq and freq.max:
+        profile["cpu_mhz_max"] = round(freq.max)
+    temps = _read(lambda: psutil.sensors_temperatures()) or {}
     readings = [t.current for entries in temps.values() for t in entries if t.current]
     if readings:
         profile["temperature_c"] = round(max(readings), 1)
-    battery = getattr(psutil, "sensors_battery", lambda: None)()
+    battery = _read(lambda: psutil.sensors_battery())
     if battery is not None:
         profile["battery_percent"] = round(battery.percent, 1)
         profile["on_power"] = bool(battery.power_plugged)
     return profile
+
+
+AT_HWCAP = 16
+HWCAP_AARCH64_ATOMICS = 1 << 8  # ARMv8.1 LSE atomics: Cortex-A76 (Pi 5) has them, Cortex-A72 (Pi 4) does not
+
+
+def _aarch64_without_atomics() -> bool:
+    """True on an ARMv8.0 core such as the Pi 4's, read from the kernel's (or qemu's) auxiliary vector."""
+    if platform.machine() != "aarch64":
+        return False
+    try:
+        words = Path("/proc/self/auxv").read_bytes()
+    except OSError:
+        return False
+    for i in range(0, len(words) - 15, 16):
+        key, value = struct.unpack_from("<QQ", words, i)
+        if key == AT_HWCAP:
+            return not value & HWCAP_AARCH64_ATOMICS
+    return False
+
+
+def default_threads(cores: int | None = None) -> int:
+    """Torch threads when the config says 0: cores minus one (one left for the OS and MQTT), at least one.
+
+    PyTorch's CUDA builds for aarch64 (what `pip install torch` gives there) use
+    ARMv8.1 atomics in their threaded BLAS and crash with SIGILL on a Pi 4 once
+    two or more threads train; with such a build on such a core, one thread.
+    The CPU builds the README installs (Debian's python3-torch) run the default on
+    both Pi 4 and Pi 5 (`make pi-check`, bench/results/pi_check.json).
+    """
+    cores = cores or os.cpu_count() or 2
+    if torch.version.cuda is not None and _aarch64_without_atomics():
+        return 1
+    return max(1, cores - 1)
 
 
 def calibrate(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, batch_size: int = 32,
