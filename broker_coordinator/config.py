@@ -37,7 +37,7 @@
     weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
     norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
     aggregator = "gated_mean"            # gated_mean | mean | trimmed_mean | median
-    reference = "median"                 # gated_mean's direction: "median", or "root" (needs root_data)
+    reference = "auto"                   # gated_mean's direction: "root" (root_data), "median"; auto = root if set
     serve_average = 0.75                 # evaluate/keep an average of the last global models (0 = off)
 
     [storage]

@@ -83,7 +83,7 @@ class RoundSettings:
     norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
     aggregator: str = "gated_mean"  # gated_mean | mean | trimmed_mean | median (see broker_coordinator/robust.py)
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
-    reference: str = "median"  # gated_mean's direction: the round's median, or "root" (needs root data)
+    reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
@@ -113,7 +113,7 @@ class RoundSettings:
                                                            "norm of recent updates)"),
             (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
             (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
-            (self.reference in ("median", "root"), "reference must be median or root"),
+            (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
         ]
@@ -627,7 +627,7 @@ class Coordinator:
         return self._conclude(rnd, base_sha)
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
-        if self.settings.reference != "root":
+        if self.settings.reference == "median" or self.root_set is None:
             return None
         base = dict(self.weights)  # the model this round's devices trained from
         lr = float(self.settings.task_hparams(round_no)["lr"])

@@ -6,8 +6,8 @@ as the reference direction; a device's delta that points away from it
 (cosine <= 0) is left out of the round. Under strongly non-IID data the
 round's own median is a weak reference (honest deltas are nearly orthogonal
 to one another); a trained reference is not. It needs labelled data on the
-coordinator that is not the test set (`[federation] root_data`), so it is
-an option (`[rounds] reference = "root"`), not the default.
+coordinator that is not the test set (`[federation] root_data`): with it the
+default (`[rounds] reference = "auto"`) uses it, without it the round's median.
 """
 
 from __future__ import annotations
