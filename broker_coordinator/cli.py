@@ -51,6 +51,24 @@ def _codec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _fleet(text: str) -> str:
+    from .fleet import parse_fleet
+    try:
+        parse_fleet(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _churn(text: str) -> str:
+    from .fleet import parse_churn
+    try:
+        parse_churn(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _name(text: str) -> str:
     try:
         return topics.check_name("federation", text)
@@ -102,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
+    sim.add_argument("--fleet", type=_fleet, default=None, metavar="CLASS:N,...",
+                     help="emulate a mixed fleet, e.g. zero2w:4,pi3:4,pi4:8,pi5:4 (counts add up to --agents): "
+                          "each agent process runs in its own cgroup with a CPU quota from its class's relative "
+                          "training speed and a memory limit from its RAM (classes and sources: "
+                          "broker_coordinator/fleet.py); needs root, else says what is missing and runs without")
+    sim.add_argument("--fleet-cpu", type=_bounded(float, 0.0, 64.0), default=0.0, metavar="CORES",
+                     help="CPU quota of the fastest class (pi5, speed 1.0); 0 = so that the fleet's quotas add up "
+                          "to twice this machine's cores, at most 1")
+    sim.add_argument("--churn", type=_churn, nargs="?", const="0.15:30", default=None, metavar="FRACTION[:SECONDS]",
+                     help="devices go offline and come back: about FRACTION of the time offline, periods of "
+                          "SECONDS on average (half stop and restart the agent, half freeze it); the schedule "
+                          "comes from --seed. Without a value: 0.15:30")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for results and run files")
     sim.add_argument("--federation", type=_name, default="sim")
@@ -131,7 +161,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     spec = SimulationSpec(agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                           partition=args.partition or default_partition, seed=args.seed, out=args.out,
                           federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, fleet=args.fleet, fleet_cpu=args.fleet_cpu,
+                          churn=args.churn)
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,
