@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mnist5k, digits, or synthetic[:ALPHA,BETA] (FedProx Synthetic, default 1,1)")
     sim.add_argument("--partition", type=_partition, default=None,
                      help="iid, dirichlet:A, shards:K or natural; default dirichlet:0.3 (natural for synthetic)")
+    sim.add_argument("--partition-file", type=Path, default=None, metavar="NPZ",
+                     help="use a saved partition instead: an .npz with train_idx and offsets, one client per "
+                          "agent (e.g. bench/data/mnist5k_dir01_20clients.npz)")
     sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
     sim.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
                      help="algorithm hyper-parameter over its defaults (repeatable), e.g. rho=0.1 or sam_every=4")
@@ -161,7 +164,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     spec = SimulationSpec(agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                           partition=args.partition or default_partition, seed=args.seed, out=args.out,
                           federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto,
-                          metrics_port=args.metrics_port, fleet=args.fleet, fleet_cpu=args.fleet_cpu,
+                          metrics_port=args.metrics_port, partition_file=args.partition_file, fleet=args.fleet, fleet_cpu=args.fleet_cpu,
                           churn=args.churn)
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,

@@ -44,13 +44,33 @@ class SimulationSpec:
     agent_threads: int = 1
     startup_timeout: float = 180.0
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    partition_file: Path | None = None  # an .npz with train_idx and offsets (bench/data): overrides partition
     fleet: str | None = None  # e.g. "zero2w:4,pi3:4,pi4:8,pi5:4": per-agent CPU quota and memory limit (fleet.py)
     fleet_cpu: float = 0.0  # CPU cores of speed 1.0 (a Pi 5); 0 = fleet.default_cpu_scale
     churn: str | None = None  # "FRACTION[:SECONDS]": devices go offline and come back (fleet.py)
 
 
+def read_partition_file(path: Path, agents: int, train_size: int) -> list:
+    """Client index lists from an .npz holding `train_idx` and `offsets` (client k owns
+    train_idx[offsets[k]:offsets[k+1]]), e.g. bench/data/mnist5k_dir01_20clients.npz."""
+    import numpy as np
+    try:
+        with np.load(path) as f:
+            train_idx, offsets = f["train_idx"], f["offsets"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"partition file {path}: needs arrays train_idx and offsets ({exc})") from None
+    if len(offsets) - 1 != agents:
+        raise ValueError(f"partition file {path} has {len(offsets) - 1} clients but --agents is {agents}")
+    if len(train_idx) and (train_idx.min() < 0 or train_idx.max() >= train_size):
+        raise ValueError(f"partition file {path} indexes outside the {train_size} training samples")
+    return [train_idx[offsets[k]:offsets[k + 1]] for k in range(agents)]
+
+
 def prepare_shards(spec: SimulationSpec, data: datasets.FederatedData, devices_dir: Path) -> list[Path]:
-    parts = partition.split(spec.partition, data.train.y, spec.agents, spec.seed, data.natural_shards)
+    if spec.partition_file:
+        parts = read_partition_file(spec.partition_file, spec.agents, len(data.train))
+    else:
+        parts = partition.split(spec.partition, data.train.y, spec.agents, spec.seed, data.natural_shards)
     paths = []
     for i, index in enumerate(parts):
         path = devices_dir / f"dev-{i:03d}" / "data.npz"
@@ -120,7 +140,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
     (run_dir / RUN_MARKER).write_text("created by broker-coordinator simulate; removed by the next run\n")
     devices_dir = run_dir / "devices"
     shard_paths = prepare_shards(spec, data, devices_dir)
-    echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents ({spec.partition}), "
+    echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents "
+         f"({spec.partition_file or spec.partition}), "
          f"{len(data.test)} held out for the coordinator")
 
     broker = PrivateBroker(run_dir / "broker", spec.federation, port=spec.broker_port, mosquitto=spec.mosquitto)
@@ -183,7 +204,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print) -> list[
                 groups.remove()
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"dataset": data.name, "model": data.model, "agents": spec.agents, "partition": spec.partition,
+    meta = {"dataset": data.name, "model": data.model, "agents": spec.agents,
+            "partition": str(spec.partition_file) if spec.partition_file else spec.partition,
             "seed": spec.seed, "algorithm": settings.algorithm, "codec": settings.codec,
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,

@@ -15,6 +15,7 @@ the device state (saved once per round with the rest).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -64,6 +65,14 @@ def local_settings(hp: dict) -> LocalSettings:
         if not ok:
             raise Rejected("schema", message)
     return settings
+
+
+def owed(delta: dict, residual: dict | None) -> dict:
+    """Error feedback after an update that never arrived: the old residual plus the whole delta
+    (model tensors only; `extra.*` state is resent afresh next round)."""
+    residual = residual or {}
+    return {name: value + residual[name] if name in residual and residual[name].shape == value.shape else value
+            for name, value in delta.items() if not name.startswith(EXTRA_PREFIX)}
 
 
 class Agent:
@@ -266,6 +275,7 @@ class Agent:
                                passes_per_step=float(hp.get("passes_per_step", 1.0)))
             epochs, epochs_reason = plan.epochs, plan.reason
         settings.epochs = epochs
+        before = copy.deepcopy(self.state.section(algorithm.name))  # restored if the update is not delivered
         rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name), self.released)
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         self.busy = True
@@ -282,20 +292,28 @@ class Agent:
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
         ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
-        encoded = codec.encode(result.delta, task.codec, ef.get("residual"))
-        ef["residual"] = encoded.residual
-        if encoded.residual is None:
-            ef.pop("residual")
+        old_residual = ef.get("residual")
+        encoded = codec.encode(result.delta, task.codec, old_residual)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
                                  encoded.body, encoded.codec, encoded.specs, self.fed)
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
-        self.state.save()  # once per round: algorithm state, residuals, progress
         self._announce()  # idle before the update goes out, so the next round can select us at once
-        if self.session.publish_until(topics.update(self.fed, self.device),
-                                      messages.encode_update(update, self.key or b""), task.deadline):
+        delivered = self.session.publish_until(topics.update(self.fed, self.device),
+                                               messages.encode_update(update, self.key or b""), task.deadline)
+        if delivered:
+            # state the server mirrors follows what it received: the decoded delta, not the local one
+            rule.committed(result.delta if codec.parse(encoded.codec).lossless else
+                           codec.decode(encoded.codec, encoded.specs, encoded.body, None, MAX_MODEL_VALUES))
+            ef["residual"] = encoded.residual
             log.info("round %d: sent update (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
                      result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
                      result.metrics["train_seconds"])
         else:
+            # the server got nothing: the dual stays as it was and all of the delta is still owed
+            self.state.data[algorithm.name] = before
+            ef["residual"] = owed(result.delta, old_residual) if encoded.residual is not None else None
             log.warning("round %d: update not delivered before the deadline; dropped", task.round)
+        if ef.get("residual") is None:
+            ef.pop("residual", None)
+        self.state.save()  # once per round: algorithm state, residuals, progress

@@ -45,6 +45,14 @@ class DualState:
         with torch.no_grad():
             self.state["h"] = to_numpy([h + p - g for h, p, g in zip(self.dual, params, self.global_params)])
 
+    def committed(self, sent) -> None:
+        """h_k <- h_k + (the delta the server received): the server's H adds up exactly these, so
+        with a lossy codec the client's dual must too, or h_k and H drift apart round after round."""
+        super().committed(sent)
+        if getattr(self, "dual", None) is not None:
+            self.state["h"] = [h.numpy() + np.asarray(sent[name], dtype=np.float32)
+                               for h, name in zip(self.dual, self.param_names)]
+
 
 class Client(DualState, ClientRule):
     def begin(self, model, global_params: Tensors, total_steps: int, num_samples: int) -> None:
