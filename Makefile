@@ -1,5 +1,7 @@
-# EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
-# Both create .venv, install the project with the CPU build of torch, and make
+# EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests;
+# `make field` runs the field benchmark (bench/field.py -> bench/results/field.json, .md, .png)
+# and `make field-quick` its smoke version (-> bench/results/field_quick.*).
+# All create .venv, install the project with the CPU build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 
 PYTHON ?= python3
@@ -7,11 +9,21 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
+# the demo's emulated fleet: each agent under a CPU quota and memory limit of its device class
+# (broker_coordinator/fleet.py); without root, simulate says what is missing and runs without
+DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
+FIELD_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean
+.PHONY: demo test setup mosquitto clean field field-quick
 
 demo: setup mosquitto
-	$(BIN)/broker-coordinator simulate --out demo-out $(DEMO_ARGS)
+	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 10 $(DEMO_ARGS)
+
+field: setup mosquitto
+	nice -n 5 $(BIN)/python -m bench.field $(FIELD_ARGS)
+
+field-quick: setup mosquitto
+	nice -n 5 $(BIN)/python -m bench.field --quick $(FIELD_ARGS)
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q

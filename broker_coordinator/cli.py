@@ -79,6 +79,9 @@ def _name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from edgefl_protocol import algorithms  # imports torch: only when a command needs it
 
+    from .coordinator import RoundSettings
+    defaults = RoundSettings()  # simulate's defaults are the runtime's (README: "Field benchmark")
+
     parser = argparse.ArgumentParser(
         prog="broker-coordinator",
         description="EdgeFL coordinator: runs federated rounds over a Mosquitto broker.")
@@ -98,11 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--partition-file", type=Path, default=None, metavar="NPZ",
                      help="use a saved partition instead: an .npz with train_idx and offsets, one client per "
                           "agent (e.g. bench/data/mnist5k_dir01_20clients.npz)")
-    sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
+    sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=defaults.algorithm)
     sim.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
                      help="algorithm hyper-parameter over its defaults (repeatable), e.g. rho=0.1 or sam_every=4")
     sim.add_argument("--clients-per-round", type=_bounded(int, 0), default=0, help="0 = every online agent")
-    sim.add_argument("--local-epochs", type=_bounded(int, 0, 1000), default=2,
+    sim.add_argument("--local-epochs", type=_bounded(int, 0, 1000), default=defaults.local_epochs,
                      help="local epochs per round; 0 = each agent chooses 3-8 from its measured speed and the deadline")
     sim.add_argument("--selection", choices=["random", "stability"], default="random",
                      help="cohort selection policy (stability: DR-SAM's, prefers low tau and high gamma)")
@@ -110,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="FedNova-style aggregation: normalize each delta by its local steps")
     sim.add_argument("--min-updates", type=_bounded(int, 1), default=1,
                      help="quorum: updates needed to close a round at its deadline")
-    sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=32)
-    sim.add_argument("--lr", type=_bounded(float, 1e-9, 100.0), default=0.05, help="local learning rate")
-    sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=0.0, help="local SGD momentum")
+    sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=defaults.batch_size)
+    sim.add_argument("--lr", type=_bounded(float, 1e-9, 100.0), default=defaults.lr, help="local learning rate")
+    sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=defaults.momentum,
+                     help="local SGD momentum")
     sim.add_argument("--round-timeout", type=_bounded(float, 1.0), default=300.0,
                      help="seconds a round waits for updates")
     sim.add_argument("--codec", type=_codec, default=None,
