@@ -17,7 +17,7 @@ FIELD_ARGS ?=
 .PHONY: demo test setup mosquitto clean field field-quick
 
 demo: setup mosquitto
-	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 10 $(DEMO_ARGS)
+	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
 
 field: setup mosquitto
 	nice -n 5 $(BIN)/python -m bench.field $(FIELD_ARGS)
