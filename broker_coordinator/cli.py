@@ -51,22 +51,15 @@ def _codec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _fleet(text: str) -> str:
-    from .fleet import parse_fleet
-    try:
-        parse_fleet(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _churn(text: str) -> str:
-    from .fleet import parse_churn
-    try:
-        parse_churn(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def _checked_by(check):  # noqa: ANN001, ANN202
+    """An argparse type that keeps the text once `check(text)` accepts it (its ValueError is the message)."""
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return parse
 
 
 def _name(text: str) -> str:
@@ -127,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
-    sim.add_argument("--fleet", type=_fleet, default=None, metavar="CLASS:N,...",
+    from .fleet import parse_churn, parse_fleet
+    sim.add_argument("--fleet", type=_checked_by(parse_fleet), default=None, metavar="CLASS:N,...",
                      help="emulate a mixed fleet, e.g. zero2w:4,pi3:4,pi4:8,pi5:4 (counts add up to --agents): "
                           "each agent process runs in its own cgroup with a CPU quota from its class's relative "
                           "training speed and a memory limit from its RAM (classes and sources: "
@@ -135,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--fleet-cpu", type=_bounded(float, 0.0, 64.0), default=0.0, metavar="CORES",
                      help="CPU quota of the fastest class (pi5, speed 1.0); 0 = so that the fleet's quotas add up "
                           "to twice this machine's cores, at most 1")
-    sim.add_argument("--churn", type=_churn, nargs="?", const="0.15:30", default=None, metavar="FRACTION[:SECONDS]",
+    sim.add_argument("--churn", type=_checked_by(parse_churn), nargs="?", const="0.15:30", default=None, metavar="FRACTION[:SECONDS]",
                      help="devices go offline and come back: about FRACTION of the time offline, periods of "
                           "SECONDS on average (half stop and restart the agent, half freeze it); the schedule "
                           "comes from --seed. Without a value: 0.15:30")
@@ -164,6 +158,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     from .coordinator import RoundSettings  # torch import is slow; keep --help fast
     from .simulate import SimulationSpec, simulate
 
+    if args.fleet:
+        from .fleet import assign
+        assign(args.fleet, args.agents, args.seed)  # the counts must match --agents: say so before starting
     default_partition = "natural" if args.dataset.startswith("synthetic") else "dirichlet:0.3"
     spec = SimulationSpec(agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                           partition=args.partition or default_partition, seed=args.seed, out=args.out,
