@@ -73,6 +73,7 @@ class DualServer(ServerRule):
     def __init__(self, hparams: Mapping[str, Scalar]):
         super().__init__({**DEFAULT_HPARAMS, **hparams})
         self.H: dict[str, np.ndarray] | None = None
+        self.cohort_size = 0  # updates observed this round (start_round resets it)
 
     def new_global(self, global_params, mean_delta, mean_extras=None) -> dict[str, np.ndarray]:
         if self.H is None:
