@@ -136,8 +136,9 @@ def test_a_process_in_its_cgroup_sees_its_quota_and_limit_like_under_systemd():
 def test_simulate_on_an_emulated_fleet_with_churn(tmp_path):
     """Four agent processes (one per class) under real quotas, churn on, device-chosen epochs."""
     out = tmp_path / "out"
+    # --fleet-cpu 3: the same ratios at 3x the CPU (zero2w 0.33 cores), so the test spends little time importing torch
     args = [sys.executable, "-m", "broker_coordinator", "simulate", "--agents", "4", "--rounds", "3",
-            "--dataset", "digits", "--fleet", "zero2w:1,pi3:1,pi4:1,pi5:1", "--churn", "0.2:3",
+            "--dataset", "digits", "--fleet", "zero2w:1,pi3:1,pi4:1,pi5:1", "--fleet-cpu", "3", "--churn", "0.2:3",
             "--local-epochs", "0", "--round-timeout", "15", "--seed", "1", "--out", str(out)]
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
