@@ -242,6 +242,50 @@ def winner(result: dict, max_passes: float = 1.3) -> tuple[str | None, str]:
     return best, f"{best}: {mean(eligible[best]['final_accuracy']):.2f} over {len(eligible[best]['seeds'])} seed(s)"
 
 
+def targets(result: dict) -> list[str]:
+    """The issue's targets for the runtime default, from the rows measured so far (seeds paired where
+    a comparison is between rows)."""
+    runs, d = result["runs"], result["default"]
+    row = f"{d['algorithm']}+{d['optimizer']}"
+    if row not in runs:
+        return ["", f"Targets: the default row {row} has no runs yet."]
+    v = runs[row]
+    mine = dict(zip(v["seeds"], v["final_accuracy"]))
+
+    def paired(other: str) -> tuple[float, list[int]]:
+        theirs = dict(zip(runs[other]["seeds"], runs[other]["final_accuracy"]))
+        common = sorted(set(mine) & set(theirs))
+        return (mean([mine[k] - theirs[k] for k in common]), common) if common else (float("nan"), [])
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    lines = ["", f"Targets for the default `{row}` (paired by seed; n = seeds compared):", ""]
+    ref = f"fedavg+{d['optimizer']}"
+    if ref in runs:
+        gap, common = paired(ref)
+        lines.append(f"- vs {ref}: {gap:+.2f} points (n = {len(common)}; target >= +2.0): {verdict(gap >= 2.0)}")
+    others = [r for r in runs if r != row]
+    if others:
+        gaps = {r: paired(r) for r in others if paired(r)[1]}
+        worst = min(gaps, key=lambda r: gaps[r][0]) if gaps else None
+        if worst:
+            gap, common = gaps[worst]
+            lines.append(f"- vs the best other row on the same seeds, {worst}: {gap:+.2f} points (n = {len(common)}; "
+                         f"target >= -0.2, moonshot >= +0.5): {verdict(gap >= -0.2)}")
+    cost = result["codec_cost"].get(row)
+    if cost is not None:
+        lines.append(f"- codec cost: {-cost:.2f} points lost to the lossy uplink (target <= 0.3): {verdict(-cost <= 0.3)}")
+    else:
+        lines.append("- codec cost: not measured yet for this row")
+    worst_gap = min(f - b for f, b in zip(v["final_accuracy"], v["best_accuracy"]))
+    lines.append(f"- final vs its own best, worst seed: {worst_gap:+.2f} (target >= -0.5 in every seed): "
+                 f"{verdict(worst_gap >= -0.5)}")
+    up = v["bytes_up_per_update"] / 1024
+    lines.append(f"- upload: {up:.1f} KB per update (target <= 16 KB): {verdict(up <= 16)}")
+    return lines
+
+
 def markdown(result: dict, details: dict) -> str:
     meta = result["meta"]
     lines = [
@@ -295,6 +339,13 @@ def markdown(result: dict, details: dict) -> str:
             lines.append(f"- {row}: {-v['points']:+.2f} points with `{meta['uplink_codec']}` vs `{v['lossless_codec']}` "
                          f"(seeds {','.join(map(str, v['seeds']))}); upload {up / 1024:.1f} KB vs "
                          f"{v['bytes_up_per_update_lossless'] / 1024:.1f} KB per update")
+    loads = [x for seeds in details.values() for run in seeds.values() for x in (run.get("load1") or [])]
+    if loads:
+        lines += ["", f"Host load while the runs ran (1-minute load average on 2 cores, at each run's start and "
+                      f"end): median {statistics.median(loads):.1f}, range {min(loads):.1f}-{max(loads):.1f}. "
+                      "The CPU quotas are ceilings: under this load the agents got less than their quota, "
+                      "so the fast classes measured lower speeds and chose fewer epochs than on an idle host."]
+    lines += targets(result)
     best, why = winner(result)
     lines += ["", f"Best row within 1.3x FedAvg's passes: {why}.",
               f"Runtime default (RoundSettings): `{result['default']['algorithm']}`, "
