@@ -275,7 +275,8 @@ def targets(result: dict) -> list[str]:
                          f"target >= -0.2, moonshot >= +0.5): {verdict(gap >= -0.2)}")
     cost = result["codec_cost"].get(row)
     if cost is not None:
-        lines.append(f"- codec cost: {-cost:.2f} points lost to the lossy uplink (target <= 0.3): {verdict(-cost <= 0.3)}")
+        lines.append(f"- codec cost: {cost:+.2f} points lost to the lossy uplink vs float32 (negative: none lost; "
+                     f"target <= 0.3): {verdict(cost <= 0.3)}")
     else:
         lines.append("- codec cost: not measured yet for this row")
     worst_gap = min(f - b for f, b in zip(v["final_accuracy"], v["best_accuracy"]))
