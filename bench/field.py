@@ -362,18 +362,25 @@ def plot(details: dict, path: Path, rounds: int) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row, seeds in sorted(details.items()):
-        curves = [s["curve"] for s in seeds.values()]
-        n = min(len(c) for c in curves)
-        ax.plot(range(1, n + 1), [statistics.median(c[i] for c in curves) for i in range(n)],
-                label=f"{row} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%), median over seeds")
-    ax.set_ylim(bottom=max(0, ax.get_ylim()[0]))
-    ax.set_title(f"field: {FLEET}, churn {CHURN}, deadline {DEADLINE:.0f} s")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    names = sorted({row.partition("+")[0] for row in details})
+    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
+    for ax, first in zip(axes, (1, max(1, rounds // 2))):
+        for row, seeds in sorted(details.items()):
+            curves = [s["curve"] for s in seeds.values()]
+            n = min(len(c) for c in curves)
+            name, _, optimizer = row.partition("+")
+            xs = list(range(first, n + 1))
+            ax.plot(xs, [statistics.median(c[i - 1] for c in curves) for i in xs], color=colors[name],
+                    linestyle="-" if optimizer == "sgd" else "--",
+                    label=f"{row} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%), median over seeds")
+    axes[1].set_title(f"rounds {max(1, rounds // 2)}-{rounds}")
+    axes[1].set_ylim(85, 98)
+    axes[0].set_title(f"field: {FLEET}, churn {CHURN}, deadline {DEADLINE:.0f} s")
+    axes[1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
