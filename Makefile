@@ -1,5 +1,7 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
-# Both create .venv, install the project with a CPU-only build of torch, and make
+# Slower checks have their own targets, each writing to bench/results/ (see the README):
+# field, field-quick, attacks, fault-drill, pi-check, service-check.
+# All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
 # `make test` or CI) run the Pi install under aarch64 emulation and the operator
@@ -20,10 +22,21 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # a device (aarch64, or the distribution's torch) needs no demo or test extras (matplotlib, scikit-learn, pytest)
 EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check
+# the demo's emulated fleet: each agent under a CPU quota and memory limit of its device class
+# (broker_coordinator/fleet.py); without root, simulate says what is missing and runs without
+DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
+FIELD_ARGS ?=
+
+.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick
 
 demo: setup mosquitto
-	$(BIN)/broker-coordinator simulate --out demo-out $(DEMO_ARGS)
+	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
+
+field: setup mosquitto
+	nice -n 5 $(BIN)/python -m bench.field $(FIELD_ARGS)
+
+field-quick: setup mosquitto
+	nice -n 5 $(BIN)/python -m bench.field --quick $(FIELD_ARGS)
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q

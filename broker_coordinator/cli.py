@@ -51,6 +51,17 @@ def _codec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _checked_by(check):  # noqa: ANN001, ANN202
+    """An argparse type that keeps the text once `check(text)` accepts it (its ValueError is the message)."""
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return parse
+
+
 def _name(text: str) -> str:
     try:
         return topics.check_name("federation", text)
@@ -60,6 +71,9 @@ def _name(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from edgefl_protocol import algorithms  # imports torch: only when a command needs it
+
+    from .coordinator import RoundSettings
+    defaults = RoundSettings()  # simulate's defaults are the runtime's (README: "Field benchmark")
 
     parser = argparse.ArgumentParser(
         prog="broker-coordinator",
@@ -77,11 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mnist5k, digits, or synthetic[:ALPHA,BETA] (FedProx Synthetic, default 1,1)")
     sim.add_argument("--partition", type=_partition, default=None,
                      help="iid, dirichlet:A, shards:K or natural; default dirichlet:0.3 (natural for synthetic)")
-    sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=algorithms.DEFAULT_ALGORITHM)
+    sim.add_argument("--partition-file", type=Path, default=None, metavar="NPZ",
+                     help="use a saved partition instead: an .npz with train_idx and offsets, one client per "
+                          "agent (e.g. bench/data/mnist5k_dir01_20clients.npz)")
+    sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=defaults.algorithm)
     sim.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
                      help="algorithm hyper-parameter over its defaults (repeatable), e.g. rho=0.1 or sam_every=4")
     sim.add_argument("--clients-per-round", type=_bounded(int, 0), default=0, help="0 = every online agent")
-    sim.add_argument("--local-epochs", type=_bounded(int, 0, 1000), default=2,
+    sim.add_argument("--local-epochs", type=_bounded(int, 0, 1000), default=defaults.local_epochs,
                      help="local epochs per round; 0 = each agent chooses 3-8 from its measured speed and the deadline")
     sim.add_argument("--selection", choices=["random", "stability"], default="random",
                      help="cohort selection policy (stability: DR-SAM's, prefers low tau and high gamma)")
@@ -89,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="FedNova-style aggregation: normalize each delta by its local steps")
     sim.add_argument("--min-updates", type=_bounded(int, 1), default=1,
                      help="quorum: updates needed to close a round at its deadline")
-    sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=32)
-    sim.add_argument("--lr", type=_bounded(float, 1e-9, 100.0), default=0.05, help="local learning rate")
-    sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=0.0, help="local SGD momentum")
+    sim.add_argument("--batch-size", type=_bounded(int, 1, 100000), default=defaults.batch_size)
+    sim.add_argument("--lr", type=_bounded(float, 1e-9, 100.0), default=defaults.lr, help="local learning rate")
+    sim.add_argument("--momentum", type=_bounded(float, 0.0, 0.999), default=defaults.momentum,
+                     help="local SGD momentum")
     sim.add_argument("--round-timeout", type=_bounded(float, 1.0), default=300.0,
                      help="seconds a round waits for updates")
     sim.add_argument("--codec", type=_codec, default=None,
@@ -102,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
+    from .fleet import parse_churn, parse_fleet
+    sim.add_argument("--fleet", type=_checked_by(parse_fleet), default=None, metavar="CLASS:N,...",
+                     help="emulate a mixed fleet, e.g. zero2w:4,pi3:4,pi4:8,pi5:4 (counts add up to --agents): "
+                          "each agent process runs in its own cgroup with a CPU quota from its class's relative "
+                          "training speed and a memory limit from its RAM (classes and sources: "
+                          "broker_coordinator/fleet.py); needs root, else says what is missing and runs without")
+    sim.add_argument("--fleet-cpu", type=_bounded(float, 0.0, 64.0), default=0.0, metavar="CORES",
+                     help="CPU quota of the fastest class (pi5, speed 1.0); 0 = so that the fleet's quotas add up "
+                          "to twice this machine's cores, at most 1")
+    sim.add_argument("--churn", type=_checked_by(parse_churn), nargs="?", const="0.15:30", default=None, metavar="FRACTION[:SECONDS]",
+                     help="devices go offline and come back: about FRACTION of the time offline, periods of "
+                          "SECONDS on average (half stop and restart the agent, half freeze it); the schedule "
+                          "comes from --seed. Without a value: 0.15:30")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", type=Path, default=Path("demo-out"), help="directory for results and run files")
     sim.add_argument("--federation", type=_name, default="sim")
@@ -135,11 +166,15 @@ def run_simulate(args: argparse.Namespace) -> int:
     from .coordinator import RoundSettings  # torch import is slow; keep --help fast
     from .simulate import SimulationSpec, simulate
 
+    if args.fleet:
+        from .fleet import assign
+        assign(args.fleet, args.agents, args.seed)  # the counts must match --agents: say so before starting
     default_partition = "natural" if args.dataset.startswith("synthetic") else "dirichlet:0.3"
     spec = SimulationSpec(agents=args.agents, rounds=args.rounds, dataset=args.dataset,
                           partition=args.partition or default_partition, seed=args.seed, out=args.out,
                           federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, partition_file=args.partition_file, fleet=args.fleet, fleet_cpu=args.fleet_cpu,
+                          churn=args.churn)
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,

@@ -62,7 +62,7 @@ class RoundSettings:
     algorithm: str = algorithms.DEFAULT_ALGORITHM
     clients_per_round: int = 0  # 0: every eligible device
     selection: str = "random"
-    local_epochs: int = 2  # 0: each device chooses from its measured speed and the deadline
+    local_epochs: int = 0  # 0: each device chooses from its measured speed and the deadline (the field default)
     batch_size: int = 32
     lr: float = 0.05
     lr_decay: float = 0.998  # per round

@@ -17,6 +17,7 @@ from edgefl_protocol import signing
 from edgefl_protocol.settings import to_toml
 from models import datasets, partition
 
+from . import fleet
 from .broker import COORDINATOR_USER, PrivateBroker
 from .coordinator import Coordinator, RoundSettings, record_dict
 from .metrics import Metrics
@@ -43,10 +44,33 @@ class SimulationSpec:
     agent_threads: int = 1
     startup_timeout: float = 180.0
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    partition_file: Path | None = None  # an .npz with train_idx and offsets (bench/data): overrides partition
+    fleet: str | None = None  # e.g. "zero2w:4,pi3:4,pi4:8,pi5:4": per-agent CPU quota and memory limit (fleet.py)
+    fleet_cpu: float = 0.0  # CPU cores of speed 1.0 (a Pi 5); 0 = fleet.default_cpu_scale
+    churn: str | None = None  # "FRACTION[:SECONDS]": devices go offline and come back (fleet.py)
+
+
+def read_partition_file(path: Path, agents: int, train_size: int) -> list:
+    """Client index lists from an .npz holding `train_idx` and `offsets` (client k owns
+    train_idx[offsets[k]:offsets[k+1]]), e.g. bench/data/mnist5k_dir01_20clients.npz."""
+    import numpy as np
+    try:
+        with np.load(path) as f:
+            train_idx, offsets = f["train_idx"], f["offsets"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"partition file {path}: needs arrays train_idx and offsets ({exc})") from None
+    if len(offsets) - 1 != agents:
+        raise ValueError(f"partition file {path} has {len(offsets) - 1} clients but --agents is {agents}")
+    if len(train_idx) and (train_idx.min() < 0 or train_idx.max() >= train_size):
+        raise ValueError(f"partition file {path} indexes outside the {train_size} training samples")
+    return [train_idx[offsets[k]:offsets[k + 1]] for k in range(agents)]
 
 
 def prepare_shards(spec: SimulationSpec, data: datasets.FederatedData, devices_dir: Path) -> list[Path]:
-    parts = partition.split(spec.partition, data.train.y, spec.agents, spec.seed, data.natural_shards)
+    if spec.partition_file:
+        parts = read_partition_file(spec.partition_file, spec.agents, len(data.train))
+    else:
+        parts = partition.split(spec.partition, data.train.y, spec.agents, spec.seed, data.natural_shards)
     paths = []
     for i, index in enumerate(parts):
         path = devices_dir / f"dev-{i:03d}" / "data.npz"
@@ -69,12 +93,39 @@ def write_agent_config(path: Path, device: str, password: str, port: int, spec: 
         handle.write(to_toml(sections))
 
 
-def spawn_agent(config: Path, log_path: Path) -> subprocess.Popen:
+def spawn_agent(config: Path, log_path: Path, cgroup_procs: list[Path] | None = None,
+                append: bool = False) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-    with open(log_path, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "edge_agent", "run", "--config", str(config)],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    argv = [sys.executable, "-m", "edge_agent", "run", "--config", str(config)]
+    if cgroup_procs:
+        argv = fleet.join_command(cgroup_procs, argv)  # joins its cgroups before exec: limited from the start
+    with open(log_path, "ab" if append else "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def setup_fleet(spec: SimulationSpec, devices: list[str], run_name: str, echo) -> tuple[
+        fleet.Cgroups | None, dict[str, list[Path]], dict[str, str]]:
+    """Per-device cgroups for --fleet; without the rights, one line saying what is missing."""
+    if not spec.fleet:
+        return None, {}, {}
+    classes = fleet.assign(spec.fleet, len(devices), spec.seed)
+    names = {device: c.name for device, c in zip(devices, classes)}
+    scale = spec.fleet_cpu or fleet.default_cpu_scale(classes)
+    try:
+        groups = fleet.Cgroups(run_name)
+        procs = {device: groups.limit(device, c.speed * scale, c.memory_limit_mb)
+                 for device, c in zip(devices, classes)}
+    except fleet.CgroupUnavailable as exc:
+        if "groups" in locals():
+            groups.remove()
+        echo(f"fleet emulation off: {exc}; agents run without CPU quota or memory limit")
+        return None, {}, names
+    summary = ", ".join(f"{n} x{sum(1 for c in classes if c.name == n)} "
+                        f"({fleet.PROFILES[n].speed * scale:.2f} CPU, {fleet.PROFILES[n].memory_limit_mb} MB)"
+                        for n in dict.fromkeys(c.name for c in classes))
+    echo(f"fleet: {summary} (cgroup v{groups.version})")
+    return groups, procs, names
 
 
 def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=spawn_agent) -> list[dict]:
@@ -91,7 +142,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
     (run_dir / RUN_MARKER).write_text("created by broker-coordinator simulate; removed by the next run\n")
     devices_dir = run_dir / "devices"
     shard_paths = prepare_shards(spec, data, devices_dir)
-    echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents ({spec.partition}), "
+    echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents "
+         f"({spec.partition_file or spec.partition}), "
          f"{len(data.test)} held out for the coordinator")
 
     broker = PrivateBroker(run_dir / "broker", spec.federation, port=spec.broker_port, mosquitto=spec.mosquitto)
@@ -99,39 +151,69 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
     devices = [f"dev-{i:03d}" for i in range(spec.agents)]
     passwords = {device: broker.add_user(device) for device in devices}
     keys = {device: signing.new_key() for device in devices}  # per-device update signing keys
-    processes: list[subprocess.Popen] = []
+    processes: dict[str, subprocess.Popen] = {}
     history: list[dict] = []
+    churn: fleet.Churn | None = None
     with broker:
         echo(f"mosquitto listening on 127.0.0.1:{broker.port} (no anonymous access, per-device ACL)")
         metrics = Metrics()
         if spec.metrics_port:
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
+        cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
         coordinator = Coordinator(spec.federation, data.model, data.test, settings, seed=spec.seed,
-                                  store=Store(run_dir / "coordinator"), metrics=metrics, device_keys=keys)
+                                  store=Store(run_dir / "coordinator"), metrics=metrics, device_keys=keys,
+                                  on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)))
         coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
+        groups, cgroup_procs, classes = setup_fleet(spec, devices, f"edgefl-{spec.federation}-{os.getpid()}", echo)
+
+        def start(device: str, again: bool = False) -> subprocess.Popen:
+            home = devices_dir / device
+            if spawn is not spawn_agent:  # a caller's own launcher (bench/pi/pi_check.py: one agent emulated)
+                return spawn(home / "agent.toml", home / "agent.log")
+            return spawn_agent(home / "agent.toml", home / "agent.log", cgroup_procs.get(device), append=again)
+
         try:
             for device, shard in zip(devices, shard_paths):
-                config = shard.parent / "agent.toml"
-                write_agent_config(config, device, passwords[device], broker.port, spec, shard, keys[device])
-                processes.append(spawn(config, shard.parent / "agent.log"))
+                write_agent_config(shard.parent / "agent.toml", device, passwords[device], broker.port, spec,
+                                   shard, keys[device])
+                processes[device] = start(device)
             echo(f"started {len(processes)} agent processes; waiting for them to come online")
             coordinator.wait_for_devices(spec.agents, spec.startup_timeout,
                                          progress=lambda n, total: echo(f"  {n}/{total} agents online"))
+            if spec.churn:
+                fraction, seconds = fleet.parse_churn(spec.churn)
+                horizon = spec.rounds * settings.round_timeout
+                churn = fleet.Churn(fleet.churn_schedule(devices, fraction, seconds, horizon, spec.seed),
+                                    processes, lambda device: start(device, again=True), echo)
+                echo(f"churn: about {fraction:.0%} of devices offline at a time, {seconds:.0f} s on average")
+                churn.start()
             for round_no in range(1, spec.rounds + 1):
                 record = record_dict(coordinator.run_round(round_no))
+                offline = churn.offline() if churn else set()
+                for device, values in record["devices"].items() if classes else ():
+                    values["device_class"] = classes.get(device, "")
+                record["cohort"], record["offline"] = sorted(cohort), sorted(offline)
                 history.append(record)
                 echo(format_round(record, spec.rounds))
-                dead = [p.args[-1] for p in processes if p.poll() is not None]
+                dead = [d for d, p in processes.items() if p.poll() is not None and d not in offline]
                 if dead:
-                    echo(f"warning: {len(dead)} agent process(es) exited; see agent.log beside {dead[0]}")
+                    echo(f"warning: {len(dead)} agent process(es) exited; see {devices_dir / dead[0] / 'agent.log'}")
         finally:
-            stop_processes(processes)
+            if churn:
+                churn.stop()
+            stop_processes(list(processes.values()))
             coordinator.close()
+            if groups:
+                groups.remove()
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"dataset": data.name, "model": data.model, "agents": spec.agents, "partition": spec.partition,
-            "seed": spec.seed, "algorithm": settings.algorithm}
+    meta = {"dataset": data.name, "model": data.model, "agents": spec.agents,
+            "partition": str(spec.partition_file) if spec.partition_file else spec.partition,
+            "seed": spec.seed, "algorithm": settings.algorithm, "codec": settings.codec,
+            "local_epochs": settings.local_epochs, "momentum": settings.momentum,
+            "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,
+            "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else []}
     write_history(out / "history.json", history, meta)
     plotted = plot_accuracy(out / "accuracy.png", history,
                             f"{settings.algorithm} on {data.name}, {spec.agents} agents, {spec.partition}")

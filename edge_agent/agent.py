@@ -21,6 +21,7 @@ with the reason, so the coordinator can say why a round found no quorum.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import queue
@@ -60,6 +61,14 @@ def local_settings(hp: dict) -> LocalSettings:
     v = check_training(hp)
     return LocalSettings(epochs=int(v["local_epochs"]), batch_size=int(v["batch_size"]), lr=v["lr"],
                          momentum=v["momentum"], weight_decay=v["weight_decay"], grad_clip=v["grad_clip"])
+
+
+def owed(delta: dict, residual: dict | None) -> dict:
+    """Error feedback after an update that never arrived: the old residual plus the whole delta
+    (model tensors only; `extra.*` state is resent afresh next round)."""
+    residual = residual or {}
+    return {name: value + residual[name] if name in residual and residual[name].shape == value.shape else value
+            for name, value in delta.items() if not name.startswith(EXTRA_PREFIX)}
 
 
 class Agent:
@@ -282,6 +291,7 @@ class Agent:
                                passes_per_step=float(hp.get("passes_per_step", 1.0)))
             epochs, epochs_reason = plan.epochs, plan.reason
         settings.epochs = epochs
+        before = copy.deepcopy(self.state.section(algorithm.name))  # restored if the update is not delivered
         rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name), self.released)
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         self.busy = True
@@ -298,28 +308,39 @@ class Agent:
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
         ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
-        encoded = codec.encode(result.delta, task.codec, ef.get("residual"))
-        ef["residual"] = encoded.residual
-        if encoded.residual is None:
-            ef.pop("residual")
+        old_residual = ef.get("residual")
+        encoded = codec.encode(result.delta, task.codec, old_residual)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
                                  encoded.body, encoded.codec, encoded.specs, self.fed, task.attempt)
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
-        self.state.save()  # once per round: algorithm state, residuals, progress
         self._announce()  # idle before the update goes out, so the next round can select us at once
         log.info("round %d: trained (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
                  result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
                  result.metrics["train_seconds"])
-        self._deliver(task, messages.encode_update(update, self.key or b""), "update")
+        outcome = self._deliver(task, messages.encode_update(update, self.key or b""), "update")
+        if outcome == "accepted":
+            # state the server mirrors follows what it received: the decoded delta, not the local one
+            rule.committed(result.delta if codec.parse(encoded.codec).lossless else
+                           codec.decode(encoded.codec, encoded.specs, encoded.body, None, MAX_MODEL_VALUES))
+            ef["residual"] = encoded.residual
+        else:
+            # the server did not fold it (or we cannot know that it did): the dual stays as it was and
+            # all of the delta is still owed
+            self.state.data[algorithm.name] = before
+            ef["residual"] = owed(result.delta, old_residual) if encoded.residual is not None else None
+        if ef.get("residual") is None:
+            ef.pop("residual", None)
+        self.state.save()  # once per round: algorithm state, residuals, progress
 
     def _refuse(self, task: messages.Task, why: Rejected) -> None:
         refusal = messages.Refusal(self.device, task.round, task.attempt, why.reason, why.detail[:200], self.fed)
         self._deliver(task, messages.encode_refusal(refusal, self.key or b""), "refusal")
 
-    def _deliver(self, task: messages.Task, payload: bytes, what: str) -> None:
+    def _deliver(self, task: messages.Task, payload: bytes, what: str) -> str:
         """Publish, then wait for the coordinator's receipt; resend while none comes, until the deadline.
-        The log says what became of it, either way."""
+        The log says what became of it, either way; so does the result: accepted, rejected,
+        superseded (a newer task came first), no_receipt, or unsent."""
         key = (task.round, task.attempt)
         topic = topics.update(self.fed, self.device)
         sends = 0
@@ -338,16 +359,20 @@ class Agent:
             if receipt is None and not self.tasks.empty():
                 log.warning("round %d: a new task arrived before the receipt for the %s (sent %d times); "
                             "the coordinator moved on without it", task.round, what, sends)
-                return
+                return "superseded"
             if receipt is None:
                 log.info("round %d: no receipt for the %s yet; sending it again", task.round, what)
                 continue
             if receipt.accepted:
                 log.info("round %d: %s accepted by the coordinator%s", task.round, what,
                          f" (sent {sends} times)" if sends > 1 else "")
-            else:
-                log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
-                            receipt.reason, receipt.detail)
-            return
+                return "accepted"
+            log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
+                        receipt.reason, receipt.detail)
+            return "rejected"
+        if sends == 0:
+            log.warning("round %d: %s not delivered to the broker before the deadline; dropped", task.round, what)
+            return "unsent"
         log.warning("round %d: no receipt for the %s before the deadline (sent %d times); the coordinator may "
                     "not have it", task.round, what, sends)
+        return "no_receipt"

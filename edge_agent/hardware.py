@@ -21,6 +21,7 @@ import psutil
 import torch
 from torch import nn
 
+from .limits import apply as apply_limits
 from .optim import LocalSGD
 
 MIN_EPOCHS, MAX_EPOCHS = 3, 8
@@ -62,7 +63,7 @@ def probe() -> dict[str, float | int | str]:
     if battery is not None:
         profile["battery_percent"] = round(battery.percent, 1)
         profile["on_power"] = bool(battery.power_plugged)
-    return profile
+    return apply_limits(profile)  # what the kernel enforces: cgroup CPU quota and memory limit (limits.py)
 
 
 AT_HWCAP = 16

@@ -22,9 +22,13 @@ Stochastic quantization of x in a chunk [lo, hi] with L = 2^B - 1 levels and
 step s = (hi - lo) / L sends q = floor((x - lo) / s + u), u ~ U[0, 1); the
 receiver computes lo + q s. It is unbiased, and |x_hat - x| < s.
 
-Lossy stages apply only to the model delta: tensors whose name starts with
-"extra." (algorithm state riding along with the delta) always travel as
-float32. The codec knows nothing else about names.
+Algorithm tensors riding along with the delta ("extra.<name>", e.g. FedSMOO's
+perturbation dual) go through the same lossy stages but without error
+feedback: they are states sent afresh every round, not increments the server
+adds up, so nothing is owed to the next round (bench/results/field.md measures
+what this costs FedSMOO). Tensors named "extra.exact.<name>" always travel as
+float32, for state an algorithm cannot afford to round. The codec knows
+nothing else about names.
 
 `decode` treats every byte as hostile: the tensor specs are checked against
 the receiver's expectation and a cap on the number of values *before*
@@ -48,7 +52,8 @@ from . import compression
 from .bitpack import pack4, unpack4, varint_decode, varint_encode
 from .errors import Rejected
 
-EXACT_PREFIX = "extra."  # tensors never sent lossy
+EXACT_PREFIX = "extra.exact."  # tensors never sent lossy
+STATE_PREFIX = "extra."  # algorithm state: lossy stages, no error feedback
 # The default uplink codec: the fewest bytes within 0.5 points of float32 accuracy in bench/codec.py
 # (bench/results/codec.md): about 30x fewer bytes than float32.
 DEFAULT = "topk0.1+q4c64+zlib"
@@ -154,7 +159,8 @@ def encode(tensors: Mapping[str, np.ndarray], codec: str = "float32",
             entries.append(np.ascontiguousarray(flat, dtype="<f4").tobytes())
             continue
         if spec.topk:
-            previous = None if residual is None else residual.get(name)
+            is_state = name.startswith(STATE_PREFIX)
+            previous = None if residual is None or is_state else residual.get(name)
             if previous is not None and previous.shape == array.shape:
                 flat = flat + np.asarray(previous, dtype=np.float32).ravel()
             k = kept(spec, flat.size)
@@ -163,9 +169,10 @@ def encode(tensors: Mapping[str, np.ndarray], codec: str = "float32",
             values_entry, sent = _encode_values(flat[index], spec, rng)
             gaps = np.diff(index, prepend=-1) - 1
             entries.append([k, varint_encode(gaps), values_entry])
-            rest = flat.copy()
-            rest[index] -= sent
-            new_residual[name] = rest.reshape(array.shape)
+            if not is_state:
+                rest = flat.copy()
+                rest[index] -= sent
+                new_residual[name] = rest.reshape(array.shape)
         else:
             entries.append(_encode_values(flat, spec, rng)[0])
     body = msgpack.packb(entries, use_bin_type=True)

@@ -21,7 +21,8 @@ def tensors(seed=0):
             "conv.bias": rng.normal(0, 1, (4,)).astype(np.float32),
             "fc.weight": (rng.standard_t(2, (10, 33)) * 0.01).astype(np.float32),  # heavy tails, odd size
             "scalar": np.array(0.5, np.float32), "empty": np.zeros((0, 3), np.float32),
-            "extra.mu": rng.normal(0, 1, (7,)).astype(np.float32)}
+            "extra.mu": rng.normal(0, 1, (70,)).astype(np.float32),
+            "extra.exact.h": rng.normal(0, 1, (7,)).astype(np.float32)}
 
 
 def roundtrip(t, name, residual=None, seed=0):
@@ -46,7 +47,12 @@ def test_every_codec_round_trips_within_its_bound(name):
     t = tensors()
     back, encoded = roundtrip(t, name)
     assert list(back) == list(t) and all(back[k].shape == t[k].shape and back[k].dtype == np.float32 for k in t)
-    np.testing.assert_array_equal(back["extra.mu"], t["extra.mu"])  # algorithm tensors always exact
+    np.testing.assert_array_equal(back["extra.exact.h"], t["extra.exact.h"])  # always exact
+    if spec.topk:  # algorithm state: lossy like the delta, but no error feedback is kept for it
+        assert not any(k.startswith("extra.") for k in encoded.residual)
+        assert np.count_nonzero(back["extra.mu"]) <= codec.kept(spec, 70)
+    elif spec.lossless:
+        np.testing.assert_array_equal(back["extra.mu"], t["extra.mu"])
     for k, x in t.items():
         if k.startswith("extra.") or x.size == 0:
             continue

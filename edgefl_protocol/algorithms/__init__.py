@@ -26,7 +26,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     m.NAME: Algorithm(m.NAME, m.Client, m.Server, m.DEFAULT_HPARAMS, m)
     for m in (fedavg, fedprox, fedsam, feddyn, fedsmoo, drsam, dynsam)
 }
-DEFAULT_ALGORITHM = "fedavg"
+DEFAULT_ALGORITHM = "dynsam"  # the field benchmark's winner (bench/results/field.md, README "Field benchmark")
 
 
 def get(name: str) -> Algorithm:

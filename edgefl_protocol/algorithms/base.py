@@ -13,6 +13,8 @@ Client side, per round, in the order the loop calls them:
         adjust_gradients(s, params)       add the algorithm's terms to p.grad (before clipping)
     end(params) -> metrics                scalars reported with the update
     extra_tensors() -> {name: array}      tensors sent beside the delta ("extra.<name>")
+    committed(sent)                       the update as the server decodes it, once it is delivered:
+                                          state the server mirrors (FedDyn's dual) is set from this
 
 Server side, per round:
     start_round(round_no, population)     population = devices that could have been asked
@@ -89,6 +91,7 @@ class ClientRule:
         return torch.nn.CrossEntropyLoss()
 
     def begin(self, model: torch.nn.Module, global_params: Tensors, total_steps: int, num_samples: int) -> None:
+        self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.global_params = global_params
         self.total_steps = total_steps
         self.num_samples = num_samples
@@ -110,6 +113,12 @@ class ClientRule:
 
     def extra_tensors(self) -> dict[str, np.ndarray]:
         return {}
+
+    def committed(self, sent: Mapping[str, np.ndarray]) -> None:
+        """Called by the agent with the delta exactly as the server will decode it (after a lossy
+        codec and error feedback), once the update is delivered. `end` has already stored state
+        from the local float32 delta (what an in-process run without a codec uses); a rule whose
+        state the server mirrors replaces it here, so the two sides agree."""
 
 
 class ServerRule:

@@ -31,9 +31,13 @@ Options (off: they lost on the validation split, bench/results/algorithms_valida
                          beside the delta) and the server's s (fedsmoo.py's parts)
     balanced_loss        the balanced-softmax loss of the client's own label counts (losses.py)
 
-Measured (bench/results/algorithms.md): it beats FedAvg by 1.5-2 points on the
-headline setting but not FedSMOO, and its ablation shows the dual does the work
-while the signal adaptation adds nothing measurable; so it is not the default.
+Measured in the lab (bench/results/algorithms.md: in process, float32, 2 fixed
+epochs): it beats FedAvg by 1.5-2 points on the headline setting but ties
+FedSMOO, and its ablation shows the dual does the work while the signal
+adaptation adds nothing measurable. Measured in the field (bench/results/field.md:
+real processes on an emulated mixed fleet, the default lossy codec,
+device-chosen epochs, deadlines, churn) it is the best row within 1.3x FedAvg's
+passes, so it is the runtime's default algorithm.
 
 Parameters (defaults): alpha 0.1, rho 0.05, sam_every 4 (CPU-sized; chosen on validation), ratio r 2, adapt_rho 1,
 adapt_alpha 1, size_aware 0, sam 1, dual 1, weighting "uniform", global_perturbation 0, balanced_loss 0.

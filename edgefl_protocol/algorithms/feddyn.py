@@ -45,6 +45,14 @@ class DualState:
         with torch.no_grad():
             self.state["h"] = to_numpy([h + p - g for h, p, g in zip(self.dual, params, self.global_params)])
 
+    def committed(self, sent) -> None:
+        """h_k <- h_k + (the delta the server received): the server's H adds up exactly these, so
+        with a lossy codec the client's dual must too, or h_k and H drift apart round after round."""
+        super().committed(sent)
+        if getattr(self, "dual", None) is not None:
+            self.state["h"] = [h.numpy() + np.asarray(sent[name], dtype=np.float32)
+                               for h, name in zip(self.dual, self.param_names)]
+
 
 class Client(DualState, ClientRule):
     def begin(self, model, global_params: Tensors, total_steps: int, num_samples: int) -> None:
@@ -65,6 +73,7 @@ class DualServer(ServerRule):
     def __init__(self, hparams: Mapping[str, Scalar]):
         super().__init__({**DEFAULT_HPARAMS, **hparams})
         self.H: dict[str, np.ndarray] | None = None
+        self.cohort_size = 0  # updates observed this round (start_round resets it)
 
     def new_global(self, global_params, mean_delta, mean_extras=None) -> dict[str, np.ndarray]:
         if self.H is None:
