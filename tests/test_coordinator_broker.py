@@ -77,3 +77,29 @@ def test_a_retained_update_is_rejected_and_cleared(tmp_path, caplog):
             assert again.rejections["retained"] == 0
         finally:
             again.close()
+
+
+def test_an_update_sent_while_the_coordinator_is_away_reaches_it_when_it_returns(tmp_path):
+    """The coordinator's session is persistent: the broker queues what devices send while it reconnects
+    (before, a clean session dropped it without a log line)."""
+    from edgefl_protocol.transport import connect, make_client
+    test_set = datasets.load("digits").test
+    with _broker(tmp_path, ["dev-a"]) as broker:
+        first = Coordinator(FED, "digits_mlp", test_set, RoundSettings())
+        first.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        first._settle_presence()  # subscribed
+        first.close()
+        device = make_client("dev-a", "dev-a", broker.users["dev-a"])
+        connect(device, broker.host, broker.port)
+        device.publish(topics.update(FED, "dev-a"), b"an update while nobody listens", qos=1).wait_for_publish(5)
+        device.disconnect()
+        device.loop_stop()
+        again = Coordinator(FED, "digits_mlp", test_set, RoundSettings())
+        again.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            give_up = time.monotonic() + 30
+            while not again.rejections and time.monotonic() < give_up:
+                again._drain(0.2)
+            assert again.rejections == {"unknown_key": 1}  # it arrived (and, unsigned, was rejected)
+        finally:
+            again.close()

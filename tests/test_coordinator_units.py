@@ -78,12 +78,13 @@ def test_backoff_grows_is_capped_and_jittered():
     assert len(set(round(d, 6) for d in late)) > 90  # no lock-step: every device waits differently
 
 
-def _coordinator_and_round(tmp_path):
+def _coordinator_and_round(tmp_path, **settings):
     from broker_coordinator.coordinator import Coordinator, RoundSettings
     from broker_coordinator.store import Store
     from models import datasets
 
-    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32"), store=Store(tmp_path),
+    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32", **settings),
+                    store=Store(tmp_path),
                     device_keys={d: KEY for d in ("d1", "d2", "d9")})
     return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound))
 
@@ -258,7 +259,7 @@ def test_only_devices_the_registry_admits_are_selected(tmp_path):
 
 def test_an_inflated_sample_count_does_not_buy_the_round(tmp_path):
     """The attack of issue 10: 2^62 claimed samples made the global step the attacker's delta."""
-    c, rnd = _coordinator_and_round(tmp_path)
+    c, rnd = _coordinator_and_round(tmp_path, algorithm="fedavg")  # size-weighted, as FedAvg is
     c.sample_weights.known = {"a": 100.0, "b": 100.0, "c": 100.0}
     c.sample_weights.start_round()
     c._on_update(rnd, "d1", _update_for(c, "d1", num_samples=2**62), time.time())
