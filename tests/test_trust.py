@@ -166,3 +166,36 @@ def test_root_reference_needs_root_data():
     from models import datasets
     with pytest.raises(ValueError, match="root_data"):
         Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(reference="root"))
+
+
+def test_rollback_from_the_command_line_and_refused_while_the_coordinator_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from broker_coordinator.statelock import StateLock
+    from broker_coordinator.store import Store
+    from edgefl_protocol.settings import to_toml
+
+    state = tmp_path / "state"
+    store = Store(state)
+    for r in (1, 2, 3):
+        store.save_checkpoint(_checkpoint(r, float(r)))
+    store.close()
+    np.savez(tmp_path / "test.npz", x=np.zeros((2, 64), np.float32), y=np.zeros(2, np.int64))
+    config = tmp_path / "coordinator.toml"
+    config.write_text(to_toml({"federation": {"name": "u", "model": "digits_mlp", "test_data": str(tmp_path / "test.npz")},
+                               "broker": {"password": "x"}, "storage": {"state_dir": str(state)}}))
+    root = Path(__file__).resolve().parent.parent
+
+    def rollback(to: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "broker_coordinator", "rollback", "--config", str(config),
+                               "--to", str(to)], capture_output=True, text=True, cwd=root, timeout=120)
+
+    with StateLock(state).acquire("run"):  # as `broker-coordinator run` holds it
+        refused = rollback(2)
+    assert refused.returncode == 2 and "stop it first" in refused.stderr
+    done = rollback(2)
+    assert done.returncode == 0, done.stderr
+    assert "rolled back from round 3 to round 2" in done.stdout and "version 4" in done.stdout
+    assert Store(state).load_checkpoint().round == 2
