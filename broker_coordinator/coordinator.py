@@ -6,13 +6,11 @@ checkpointed (model, server state, round record) before the database learns of
 it, so a coordinator killed at any point resumes without aggregating a round
 twice (see `store`).
 
-Every update is hostile until validated: size cap, then the device's HMAC
-signature (before anything is parsed), then sender, federation, replay,
-round, attempt and model-version freshness, deadline, cohort, codec, shapes,
-finite values and the optional hard norm bound. A rejection is logged with its
-reason, counted per reason and never touches the global model. Every answer
-gets a receipt on the device's `receipt` topic (the agent resends until it has
-one), so nothing a device sent in time is lost without a reason on one side.
+Every update is hostile until validated (`intake`: signature before parsing,
+then schema, freshness, shapes, values; a rejection is logged, counted and
+never touches the global model). Every answer gets a receipt on the device's
+`receipt` topic (the agent resends until it has one), so nothing a device sent
+in time is lost without a reason on one side.
 
 A valid update is still a claim: its weight and its length are bounded by
 what the server has seen (`trust`), and the round folds it robustly (`robust`).
@@ -20,7 +18,6 @@ what the server has seen (`trust`), and the round folds it robustly (`robust`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import queue
@@ -28,7 +25,7 @@ import random
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -36,7 +33,6 @@ import numpy as np
 
 from edgefl_protocol import algorithms, codec, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
-from edgefl_protocol.task_limits import check_training
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights, set_weights
 from models.datasets import Dataset
@@ -45,127 +41,25 @@ from . import limits
 from .reference import root_direction
 from .aggregation import StreamingMean
 from .broker import COORDINATOR_USER
-from .robust import AGGREGATORS, RobustRound, l2_norm
-from .trust import WEIGHTINGS, NormBound, SampleWeights
+from .robust import RobustRound
+from .trust import NormBound, SampleWeights
 from .evaluation import evaluate
+from .round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSettings is imported from here)
+from .intake import UpdateIntake
 from .metrics import Metrics
 from .rounds import Round, RoundState
-from .selection import POLICIES, select
+from .selection import select
 from .serving import ServedAverage
 from .store import Checkpoint, Store, model_sha256
 
 log = logging.getLogger("broker_coordinator")
 
 
-@dataclass
-class RoundSettings:
-    algorithm: str = algorithms.DEFAULT_ALGORITHM
-    clients_per_round: int = 0  # 0: every eligible device
-    selection: str = "random"
-    local_epochs: int = 0  # 0: each device chooses from its measured speed and the deadline (the field default)
-    batch_size: int = 32
-    lr: float = 0.05
-    lr_decay: float = 0.998  # per round
-    momentum: float = 0.0
-    weight_decay: float = 1e-3
-    grad_clip: float = 10.0
-    round_timeout: float = 300.0  # seconds from task to deadline
-    min_updates: int = 1  # quorum needed to close a round at its deadline
-    max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
-    normalize_steps: bool = False  # FedNova-style normalization by local steps
-    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
-    model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
-    model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
-    max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no hard bound
-    # what a device's update may weigh and how far it may move the model (see broker_coordinator/trust.py)
-    weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
-    weight_cap: float = 2.0  # capped: at most this times the median trusted sample count
-    norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
-    aggregator: str = "gated_mean"  # gated_mean | mean | trimmed_mean | median (see broker_coordinator/robust.py)
-    trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
-    reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
-    serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
-    hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
-
-    def validate(self) -> None:
-        algorithm = algorithms.get(self.algorithm)
-        unknown = sorted(set(self.hparams) - set(algorithm.defaults))
-        if unknown:
-            raise ValueError(f"{self.algorithm} has no hyper-parameter {', '.join(unknown)}; "
-                             f"it takes {', '.join(sorted(algorithm.defaults)) or 'none'}")
-        checks = [
-            (self.clients_per_round >= 0, "clients_per_round must be >= 0 (0 = all eligible devices)"),
-            (self.selection in POLICIES, f"selection must be one of {', '.join(POLICIES)}"),
-            (self.local_epochs >= 0, "local_epochs must be >= 0 (0 = chosen by each device)"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.lr > 0, "lr must be > 0"),
-            (0 < self.lr_decay <= 1, "lr_decay must be in (0, 1]"),
-            (0 <= self.momentum < 1, "momentum must be in [0, 1)"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.round_timeout > 0, "round_timeout must be > 0"),
-            (self.min_updates >= 1, "min_updates must be >= 1"),
-            (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
-            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
-            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
-            (self.weighting in WEIGHTINGS, f"weighting must be one of {', '.join(WEIGHTINGS)}"),
-            (self.weight_cap >= 1, "weight_cap must be >= 1 (times the median trusted sample count)"),
-            (self.norm_bound == 0 or self.norm_bound >= 1, "norm_bound must be 0 (off) or >= 1 (times the median "
-                                                           "norm of recent updates)"),
-            (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
-            (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
-            (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
-            (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
-                                          "average of global models; 0 = serve the last global model)"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        try:  # the ranges every agent enforces: a task they would all refuse is a config error here
-            check_training(self.task_hparams(1))
-        except Rejected as exc:
-            raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
-        codec.parse(self.codec)
-        downlink.check_model_codec(self.model_codec)
-
-    def task_hparams(self, round_no: int) -> dict[str, float]:
-        algorithm = algorithms.get(self.algorithm)
-        return {
-            **algorithm.defaults, **self.hparams,
-            "local_epochs": self.local_epochs, "batch_size": self.batch_size,
-            "lr": self.lr * self.lr_decay ** (round_no - 1), "momentum": self.momentum,
-            "weight_decay": self.weight_decay, "grad_clip": self.grad_clip,
-        }
-
-
-@dataclass
-class RoundRecord:
-    round: int
-    attempt: int
-    participants: int
-    selected: int
-    accuracy: float
-    loss: float
-    bytes_up: int
-    seconds: float
-    rejected: dict[str, int]
-    closed: str  # "complete" | "deadline" | "abandoned"
-    base_sha256: str
-    model_sha256: str
-    devices: dict[str, dict[str, Any]] = field(default_factory=dict)
-    clipped: dict[str, int] = field(default_factory=dict)  # {"norm": n, "weight": m}: bounded, not rejected
-    refused: dict[str, str] = field(default_factory=dict)  # device -> why it refused the task
-    reason: str = ""
-
-
 class RoundFailed(Exception):
     """A round found no quorum in any of its attempts."""
 
 
-def _clock(ts: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(ts))
-
-
-class Coordinator:
+class Coordinator(UpdateIntake):
     def __init__(self, federation: str, arch: str, test_set: Dataset, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
                  on_state: Callable[[Round], None] | None = None,
@@ -308,147 +202,6 @@ class Coordinator:
         if self.store:
             self.store.record_presence(device, status.state == "online", dict(status.profile))
         self.metrics.online.set(len(self.online))
-
-    def _reject(self, device: str, reason: str, detail: str, current: Round | None = None) -> None:
-        self.rejections[reason] += 1
-        self.metrics.rejected.labels(reason).inc()
-        if current is not None:
-            current.rejected[reason] += 1
-        log.warning("update from %s rejected: %s: %s", device, reason, detail)
-
-    def _on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
-        self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
-        digest = hashlib.sha256(data).hexdigest()
-        try:
-            answer = self._validate(current, device, data, arrived, digest)
-        except Rejected as exc:
-            self._reject(device, exc.reason, exc.detail, current)
-            if self.store and current is not None:
-                self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
-            self._receipt(device, None, exc)
-            return
-        if answer is None:  # the same accepted update again: the device did not get our receipt
-            return
-        assert current is not None
-        if isinstance(answer, messages.Refusal):
-            current.refused[device] = f"{answer.reason}: {answer.detail}"
-            log.warning("%s refused round %d (attempt %d): %s: %s", device, current.number, current.attempt,
-                        answer.reason, answer.detail)
-            if self.store:
-                self.store.record_device_round(current.number, current.attempt, device, False,
-                                               f"refused:{answer.reason}", {"detail": answer.detail})
-            self._receipt(device, current, None)
-            return
-        update, delta, weight, steps, weight_note = answer
-        if weight_note:
-            current.weights_clipped += 1
-        current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps)
-        if self.extras is not None:
-            self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
-        self.server_rule.observe(device, update.num_samples, update.metrics)
-        current.answered.add(device)
-        self.accepted[(device, current.number, current.attempt)] = digest
-        current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples, weight=weight)
-        current.bytes_up += len(data)
-        self.last_metrics[device] = dict(update.metrics)
-        self.metrics.accepted.inc()
-        self.metrics.bytes_up.inc(len(data))
-        if self.store:
-            self.store.record_device_round(current.number, current.attempt, device, True, None,
-                                           current.device_metrics[device])
-        self._receipt(device, current, None)
-
-    def _receipt(self, device: str, current: Round | None, rejected: Rejected | None,
-                 answer: tuple[int, int] | None = None) -> None:
-        """Tell the device what became of its answer, so that it stops resending (or says why in its log)."""
-        if self.session is None:
-            return
-        round_no, attempt = answer or ((current.number, current.attempt) if current else (0, 1))
-        if rejected is not None:
-            round_no, attempt = getattr(rejected, "answer", None) or (round_no, attempt)
-        receipt = messages.Receipt(round_no, attempt, rejected is None, rejected.reason if rejected else "",
-                                   rejected.detail[:1000] if rejected else "")
-        self.session.publish(topics.receipt(self.fed, device), messages.encode("receipt", receipt), qos=1)
-
-    def _weight_and_steps(self, device: str, update: messages.Update) -> tuple[float, int, str]:
-        steps = update.metrics.get("steps", 1)
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise Rejected("schema", f"metric 'steps' must be a positive integer, got {steps!r}")
-        trusted = self.sample_weights.weigh(device, update.num_samples)
-        note = "" if trusted.note.startswith("cold start") else trusted.note
-        if note:
-            self.metrics.bounded.labels("weight").inc()
-            log.warning("update from %s: %s", device, note)
-        try:
-            weight = float(self.server_rule.weight(trusted.weight, update.metrics))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise Rejected("schema", f"metrics unusable by {self.algorithm.name}: {exc}") from None
-        if not (weight > 0 and weight < float("inf")):
-            raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
-        return weight, steps, note
-
-    def _validate(self, current: Round | None, device: str, data: bytes, arrived: float, digest: str
-                  ) -> tuple[messages.Update, dict, float, int, str] | messages.Refusal | None:
-        """The update, its decoded tensors, weight and steps; a refusal; or None for a resend of an
-        update already accepted. Raises Rejected with the reason."""
-        refused = self.admission(device) if self.admission else None
-        if refused:
-            raise Rejected(*refused)
-        # size cap and the device's signature come first: nothing is parsed before them
-        answer = messages.decode_answer(data, self.max_update_bytes, self.device_keys.get(device), device)
-        if answer.device != device:
-            raise Rejected("sender", f"topic says {device} but the update claims {answer.device}")
-        if answer.federation != self.fed:
-            raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
-        key = (device, answer.round, answer.attempt)
-        if key in self.accepted:
-            still_open = current is not None and (current.number, current.attempt) == key[1:]
-            if self.accepted[key] == digest and still_open:
-                log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
-                         device, answer.round, answer.attempt)
-                self._receipt(device, None, None, (answer.round, answer.attempt))
-                return None
-            raise Rejected("replay", f"{device} already had an update accepted for round {answer.round} "
-                                     f"(attempt {answer.attempt})")
-        try:
-            self._check_fresh(current, device, answer, arrived)
-        except Rejected as exc:
-            exc.answer = (answer.round, answer.attempt)  # type: ignore[attr-defined]
-            raise
-        assert current is not None
-        if isinstance(answer, messages.Refusal):
-            return answer
-        update = answer
-        if update.codec != codec.parse(self.settings.codec).name:
-            raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
-        delta = codec.decode(update.codec, update.specs, update.body, {**self.specs, **self.extra_specs},
-                             self.max_values)
-        bound = self.settings.max_update_norm
-        if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
-            raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
-        return (update, delta, *self._weight_and_steps(device, update))
-
-    def _check_fresh(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
-                     arrived: float) -> None:
-        if answer.round in self.closed_at and (current is None or answer.round != current.number):
-            raise Rejected("late", f"round {answer.round} closed at {_clock(self.closed_at[answer.round])}, "
-                                   f"update arrived {_clock(arrived)}")
-        if current is None or answer.round != current.number:
-            open_round = f"round {current.number} is open" if current else "no round is open"
-            raise Rejected("stale", f"update is for round {answer.round}; {open_round}")
-        if answer.attempt != current.attempt:
-            raise Rejected("stale", f"update is for attempt {answer.attempt} of round {answer.round}; "
-                                    f"attempt {current.attempt} is open")
-        if arrived > current.deadline:
-            raise Rejected("late", f"round {current.number} closed at {_clock(current.deadline)}, "
-                                   f"update arrived {_clock(arrived)}")
-        if device not in current.cohort:
-            raise Rejected("not_selected", f"{device} was not selected for round {current.number}")
-        if device in current.answered or device in current.refused:
-            raise Rejected("duplicate", f"{device} already answered round {current.number}")
-        if isinstance(answer, messages.Update) and answer.model_version != current.base_version:
-            raise Rejected("stale", f"update was trained on model version {answer.model_version}, "
-                                    f"round {current.number} distributed version {current.base_version}")
 
     # presence -----------------------------------------------------------------------
     def eligible(self) -> list[str]:

@@ -1,0 +1,172 @@
+"""What the coordinator does with an answer from a device: validate it, bound it, fold it, and
+tell the device what became of it (its receipt).
+
+Every answer is hostile until validated: size cap, then the device's HMAC
+signature (before anything is parsed), then sender, federation, replay, round,
+attempt and model-version freshness, deadline, cohort, codec, shapes, finite
+values and the optional hard norm bound. A rejection is logged with its
+reason, counted per reason, sent back in the receipt, and never touches the
+global model. A mixin of `Coordinator`: it uses the coordinator's state
+(keys, admission, settings, trust bounds, the open round).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+from edgefl_protocol import codec, messages, topics
+from edgefl_protocol.errors import Rejected
+
+from .robust import l2_norm
+from .rounds import Round
+
+log = logging.getLogger("broker_coordinator")
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+class UpdateIntake:
+    def _reject(self, device: str, reason: str, detail: str, current: Round | None = None) -> None:
+        self.rejections[reason] += 1
+        self.metrics.rejected.labels(reason).inc()
+        if current is not None:
+            current.rejected[reason] += 1
+        log.warning("update from %s rejected: %s: %s", device, reason, detail)
+
+    def _on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
+        self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            answer = self._validate(current, device, data, arrived, digest)
+        except Rejected as exc:
+            self._reject(device, exc.reason, exc.detail, current)
+            if self.store and current is not None:
+                self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
+            self._receipt(device, None, exc)
+            return
+        if answer is None:  # the same accepted update again: the device did not get our receipt
+            return
+        assert current is not None
+        if isinstance(answer, messages.Refusal):
+            current.refused[device] = f"{answer.reason}: {answer.detail}"
+            log.warning("%s refused round %d (attempt %d): %s: %s", device, current.number, current.attempt,
+                        answer.reason, answer.detail)
+            if self.store:
+                self.store.record_device_round(current.number, current.attempt, device, False,
+                                               f"refused:{answer.reason}", {"detail": answer.detail})
+            self._receipt(device, current, None)
+            return
+        update, delta, weight, steps, weight_note = answer
+        if weight_note:
+            current.weights_clipped += 1
+        current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps)
+        if self.extras is not None:
+            self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
+        self.server_rule.observe(device, update.num_samples, update.metrics)
+        current.answered.add(device)
+        self.accepted[(device, current.number, current.attempt)] = digest
+        current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples, weight=weight)
+        current.bytes_up += len(data)
+        self.last_metrics[device] = dict(update.metrics)
+        self.metrics.accepted.inc()
+        self.metrics.bytes_up.inc(len(data))
+        if self.store:
+            self.store.record_device_round(current.number, current.attempt, device, True, None,
+                                           current.device_metrics[device])
+        self._receipt(device, current, None)
+
+    def _receipt(self, device: str, current: Round | None, rejected: Rejected | None,
+                 answer: tuple[int, int] | None = None) -> None:
+        """Tell the device what became of its answer, so that it stops resending (or says why in its log)."""
+        if self.session is None:
+            return
+        round_no, attempt = answer or ((current.number, current.attempt) if current else (0, 1))
+        if rejected is not None:
+            round_no, attempt = getattr(rejected, "answer", None) or (round_no, attempt)
+        receipt = messages.Receipt(round_no, attempt, rejected is None, rejected.reason if rejected else "",
+                                   rejected.detail[:1000] if rejected else "")
+        self.session.publish(topics.receipt(self.fed, device), messages.encode("receipt", receipt), qos=1)
+
+    def _weight_and_steps(self, device: str, update: messages.Update) -> tuple[float, int, str]:
+        steps = update.metrics.get("steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise Rejected("schema", f"metric 'steps' must be a positive integer, got {steps!r}")
+        trusted = self.sample_weights.weigh(device, update.num_samples)
+        note = "" if trusted.note.startswith("cold start") else trusted.note
+        if note:
+            self.metrics.bounded.labels("weight").inc()
+            log.warning("update from %s: %s", device, note)
+        try:
+            weight = float(self.server_rule.weight(trusted.weight, update.metrics))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Rejected("schema", f"metrics unusable by {self.algorithm.name}: {exc}") from None
+        if not (weight > 0 and weight < float("inf")):
+            raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
+        return weight, steps, note
+
+    def _validate(self, current: Round | None, device: str, data: bytes, arrived: float, digest: str
+                  ) -> tuple[messages.Update, dict, float, int, str] | messages.Refusal | None:
+        """The update, its decoded tensors, weight and steps; a refusal; or None for a resend of an
+        update already accepted. Raises Rejected with the reason."""
+        refused = self.admission(device) if self.admission else None
+        if refused:
+            raise Rejected(*refused)
+        # size cap and the device's signature come first: nothing is parsed before them
+        answer = messages.decode_answer(data, self.max_update_bytes, self.device_keys.get(device), device)
+        if answer.device != device:
+            raise Rejected("sender", f"topic says {device} but the update claims {answer.device}")
+        if answer.federation != self.fed:
+            raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
+        key = (device, answer.round, answer.attempt)
+        if key in self.accepted:
+            still_open = current is not None and (current.number, current.attempt) == key[1:]
+            if self.accepted[key] == digest and still_open:
+                log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
+                         device, answer.round, answer.attempt)
+                self._receipt(device, None, None, (answer.round, answer.attempt))
+                return None
+            raise Rejected("replay", f"{device} already had an update accepted for round {answer.round} "
+                                     f"(attempt {answer.attempt})")
+        try:
+            self._check_fresh(current, device, answer, arrived)
+        except Rejected as exc:
+            exc.answer = (answer.round, answer.attempt)  # type: ignore[attr-defined]
+            raise
+        assert current is not None
+        if isinstance(answer, messages.Refusal):
+            return answer
+        update = answer
+        if update.codec != codec.parse(self.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
+        delta = codec.decode(update.codec, update.specs, update.body, {**self.specs, **self.extra_specs},
+                             self.max_values)
+        bound = self.settings.max_update_norm
+        if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
+            raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
+        return (update, delta, *self._weight_and_steps(device, update))
+
+    def _check_fresh(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
+                     arrived: float) -> None:
+        if answer.round in self.closed_at and (current is None or answer.round != current.number):
+            raise Rejected("late", f"round {answer.round} closed at {_clock(self.closed_at[answer.round])}, "
+                                   f"update arrived {_clock(arrived)}")
+        if current is None or answer.round != current.number:
+            open_round = f"round {current.number} is open" if current else "no round is open"
+            raise Rejected("stale", f"update is for round {answer.round}; {open_round}")
+        if answer.attempt != current.attempt:
+            raise Rejected("stale", f"update is for attempt {answer.attempt} of round {answer.round}; "
+                                    f"attempt {current.attempt} is open")
+        if arrived > current.deadline:
+            raise Rejected("late", f"round {current.number} closed at {_clock(current.deadline)}, "
+                                   f"update arrived {_clock(arrived)}")
+        if device not in current.cohort:
+            raise Rejected("not_selected", f"{device} was not selected for round {current.number}")
+        if device in current.answered or device in current.refused:
+            raise Rejected("duplicate", f"{device} already answered round {current.number}")
+        if isinstance(answer, messages.Update) and answer.model_version != current.base_version:
+            raise Rejected("stale", f"update was trained on model version {answer.model_version}, "
+                                    f"round {current.number} distributed version {current.base_version}")

@@ -1,0 +1,115 @@
+"""What a round is run with (`RoundSettings`: the `[rounds]` section of the coordinator's config,
+validated at start-up) and what it leaves behind (`RoundRecord`, one per attempt)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgefl_protocol import algorithms, codec, downlink
+from edgefl_protocol.errors import Rejected
+from edgefl_protocol.task_limits import check_training
+
+from .robust import AGGREGATORS
+from .selection import POLICIES
+from .trust import WEIGHTINGS
+
+
+@dataclass
+class RoundSettings:
+    algorithm: str = algorithms.DEFAULT_ALGORITHM
+    clients_per_round: int = 0  # 0: every eligible device
+    selection: str = "random"
+    local_epochs: int = 0  # 0: each device chooses from its measured speed and the deadline (the field default)
+    batch_size: int = 32
+    lr: float = 0.05
+    lr_decay: float = 0.998  # per round
+    momentum: float = 0.0
+    weight_decay: float = 1e-3
+    grad_clip: float = 10.0
+    round_timeout: float = 300.0  # seconds from task to deadline
+    min_updates: int = 1  # quorum needed to close a round at its deadline
+    max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
+    normalize_steps: bool = False  # FedNova-style normalization by local steps
+    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
+    model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
+    model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
+    max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no hard bound
+    # what a device's update may weigh and how far it may move the model (see broker_coordinator/trust.py)
+    weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
+    weight_cap: float = 2.0  # capped: at most this times the median trusted sample count
+    norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
+    aggregator: str = "gated_mean"  # gated_mean | mean | trimmed_mean | median (see broker_coordinator/robust.py)
+    trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
+    reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
+    serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
+    hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
+
+    def validate(self) -> None:
+        algorithm = algorithms.get(self.algorithm)
+        unknown = sorted(set(self.hparams) - set(algorithm.defaults))
+        if unknown:
+            raise ValueError(f"{self.algorithm} has no hyper-parameter {', '.join(unknown)}; "
+                             f"it takes {', '.join(sorted(algorithm.defaults)) or 'none'}")
+        checks = [
+            (self.clients_per_round >= 0, "clients_per_round must be >= 0 (0 = all eligible devices)"),
+            (self.selection in POLICIES, f"selection must be one of {', '.join(POLICIES)}"),
+            (self.local_epochs >= 0, "local_epochs must be >= 0 (0 = chosen by each device)"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.lr > 0, "lr must be > 0"),
+            (0 < self.lr_decay <= 1, "lr_decay must be in (0, 1]"),
+            (0 <= self.momentum < 1, "momentum must be in [0, 1)"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.round_timeout > 0, "round_timeout must be > 0"),
+            (self.min_updates >= 1, "min_updates must be >= 1"),
+            (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
+            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
+            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
+            (self.weighting in WEIGHTINGS, f"weighting must be one of {', '.join(WEIGHTINGS)}"),
+            (self.weight_cap >= 1, "weight_cap must be >= 1 (times the median trusted sample count)"),
+            (self.norm_bound == 0 or self.norm_bound >= 1, "norm_bound must be 0 (off) or >= 1 (times the median "
+                                                           "norm of recent updates)"),
+            (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
+            (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
+            (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
+            (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
+                                          "average of global models; 0 = serve the last global model)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        try:  # the ranges every agent enforces: a task they would all refuse is a config error here
+            check_training(self.task_hparams(1))
+        except Rejected as exc:
+            raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
+        codec.parse(self.codec)
+        downlink.check_model_codec(self.model_codec)
+
+    def task_hparams(self, round_no: int) -> dict[str, float]:
+        algorithm = algorithms.get(self.algorithm)
+        return {
+            **algorithm.defaults, **self.hparams,
+            "local_epochs": self.local_epochs, "batch_size": self.batch_size,
+            "lr": self.lr * self.lr_decay ** (round_no - 1), "momentum": self.momentum,
+            "weight_decay": self.weight_decay, "grad_clip": self.grad_clip,
+        }
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    attempt: int
+    participants: int
+    selected: int
+    accuracy: float
+    loss: float
+    bytes_up: int
+    seconds: float
+    rejected: dict[str, int]
+    closed: str  # "complete" | "deadline" | "abandoned"
+    base_sha256: str
+    model_sha256: str
+    devices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)  # {"norm": n, "weight": m}: bounded, not rejected
+    refused: dict[str, str] = field(default_factory=dict)  # device -> why it refused the task
+    reason: str = ""
