@@ -9,7 +9,7 @@ restarted 3 times, the coordinator SIGKILLed once and restarted (it resumes
 from its checkpoint), and 2 of the 5 agents are SIGKILLed for good, at
 seeded random times. Then every update an agent trained is traced through
 the agents' logs: each must end in one of the logged outcomes (accepted,
-rejected with the coordinator's reason, superseded by a newer task, or no
+rejected with the coordinator's reason, superseded by a newer task, shutdown, or no
 receipt before the deadline); an update with no outcome line from an agent
 that was still alive is "lost without a logged reason". The target is zero.
 """
@@ -36,6 +36,7 @@ OUTCOMES = {
     "rejected": re.compile(r"round (\d+): update rejected by the coordinator: (\w+)"),
     "superseded": re.compile(r"round (\d+): a new task arrived before the receipt for the update"),
     "no_receipt": re.compile(r"round (\d+): no receipt for the update before the deadline"),
+    "shutdown": re.compile(r"round (\d+): shutting down before the coordinator's receipt for the update"),
 }
 
 

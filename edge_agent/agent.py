@@ -370,6 +370,10 @@ class Agent:
             log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
                         receipt.reason, receipt.detail)
             return "rejected"
+        if self.stopping.is_set():
+            log.warning("round %d: shutting down before the coordinator's receipt for the %s (sent %d times)",
+                        task.round, what, sends)
+            return "no_receipt"
         if sends == 0:
             log.warning("round %d: %s not delivered to the broker before the deadline; dropped", task.round, what)
             return "unsent"
