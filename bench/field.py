@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -36,7 +35,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "field_runs"
-PARTITION_FILE = Path(__file__).resolve().parent / "data" / "mnist5k_dir01_20clients.npz"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PARTITION_FILE = PROJECT_ROOT / "bench" / "data" / "mnist5k_dir01_20clients.npz"
 FLEET = "zero2w:4,pi3:4,pi4:8,pi5:4"
 CHURN = "0.1:20"  # about 10% of devices offline at a time, 20 s per outage on average
 DEADLINE = 8.0  # seconds: on an idle host about 5 epochs fit a pi5-class quota, fewer than 3 a zero2w's
@@ -98,7 +98,10 @@ def run_one(row: str, seed: int, rounds: int, codec: str | None, runs: Path, log
         if result.returncode != 0:
             raise RuntimeError(f"{row} seed {seed} failed (exit {result.returncode}); see {log_path}")
         history = json.loads((out / "history.json").read_text())
-    record = {**history, "wall_seconds": time.time() - started, "command": args[1:],
+    # the command as anyone can rerun it from the project root: no paths of this machine
+    portable = [str(PARTITION_FILE.relative_to(PROJECT_ROOT)) if a == str(PARTITION_FILE) else
+                "OUT" if a == str(out) else a for a in args[1:]]
+    record = {**history, "wall_seconds": time.time() - started, "command": portable,
               "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record) + "\n")

@@ -53,6 +53,7 @@ from .serving import ServedAverage
 from .store import Checkpoint, Store, model_sha256
 
 log = logging.getLogger("broker_coordinator")
+REPLAY_ROUNDS = 10  # rounds whose accepted answers the replay guard remembers
 
 
 class RoundFailed(Exception):
@@ -287,12 +288,7 @@ class Coordinator(UpdateIntake):
         eligible = self.eligible()
         k = len(eligible) if s.clients_per_round == 0 else s.clients_per_round
         cohort = set(select(s.selection, eligible, k, self.rng, self.last_metrics))
-        self.server_rule.start_round(round_no, len(self.online))
-        self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
-        self.sample_weights.start_round()
-        rnd = Round(round_no, attempt, cohort, deadline, self.version,
-                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
-                                self._reference(round_no)))
+        rnd = self._open_round(round_no, attempt, cohort, deadline, len(self.online))
         if self.on_state:
             self.on_state(rnd)
         if len(cohort) < s.min_updates:
@@ -363,13 +359,7 @@ class Coordinator(UpdateIntake):
         the same validation, trust bounds and fold as over MQTT. For benchmarks and tests."""
         round_no = round_no or self.next_round
         base_sha = model_sha256(self.weights)
-        self.server_rule.start_round(round_no, len(answers))
-        self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
-        self.sample_weights.start_round()
-        s = self.settings
-        rnd = Round(round_no, 1, set(answers), time.time() + s.round_timeout, self.version,
-                    RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
-                                self._reference(round_no)))
+        rnd = self._open_round(round_no, 1, set(answers), time.time() + self.settings.round_timeout, len(answers))
         rnd.move(RoundState.COLLECTING)
         for device, payload in answers.items():
             self._on_update(rnd, device, payload, time.time())
@@ -378,6 +368,16 @@ class Coordinator(UpdateIntake):
             raise RoundFailed(f"round {round_no}: no update was accepted ({dict(rnd.rejected)})")
         rnd.move(RoundState.CLOSED)
         return self._conclude(rnd, base_sha)
+
+    def _open_round(self, round_no: int, attempt: int, cohort: set[str], deadline: float, population: int) -> Round:
+        """A fresh round: the server rule, the trust bounds and an empty robust aggregate."""
+        s = self.settings
+        self.server_rule.start_round(round_no, population)
+        self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
+        self.sample_weights.start_round()
+        return Round(round_no, attempt, cohort, deadline, self.version,
+                     RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
+                                 self._reference(round_no)))
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
         if self.settings.reference == "median" or self.root_set is None:
@@ -390,6 +390,8 @@ class Coordinator(UpdateIntake):
         """A closed round: the server rule's new global model, evaluation, checkpoint."""
         round_no = rnd.number
         self.closed_at[round_no] = time.time()
+        # the replay guard needs only recent rounds: older answers are rejected as late anyway
+        self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
         self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
                                                    self.extras.mean() if self.extras is not None else None)
         self.version += 1

@@ -39,18 +39,30 @@ class UpdateIntake:
 
     def _on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
         self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
-        digest = hashlib.sha256(data).hexdigest()
         try:
-            answer = self._validate(current, device, data, arrived, digest)
+            answer = self._parse(device, data)
+        except Rejected as exc:  # not readable as this device's answer: nothing to address a receipt to
+            self._rejected(current, device, exc)
+            return
+        key = (answer.round, answer.attempt)
+        try:
+            judged = self._judge(current, device, answer, data, arrived)
         except Rejected as exc:
-            self._reject(device, exc.reason, exc.detail, current)
-            if self.store and current is not None:
-                self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
-            self._receipt(device, None, exc)
+            self._rejected(current, device, exc)
+            self._receipt(device, key, exc)
             return
-        if answer is None:  # the same accepted update again: the device did not get our receipt
-            return
-        assert current is not None
+        if judged is not None:  # None: the same accepted update again (our receipt was lost): answer it again
+            assert current is not None
+            self._fold(current, device, answer, judged, len(data), hashlib.sha256(data).hexdigest())
+        self._receipt(device, key, None)
+
+    def _rejected(self, current: Round | None, device: str, exc: Rejected) -> None:
+        self._reject(device, exc.reason, exc.detail, current)
+        if self.store and current is not None:
+            self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
+
+    def _fold(self, current: Round, device: str, answer: messages.Update | messages.Refusal,
+              judged: tuple[dict, float, int, str] | messages.Refusal, size: int, digest: str) -> None:
         if isinstance(answer, messages.Refusal):
             current.refused[device] = f"{answer.reason}: {answer.detail}"
             log.warning("%s refused round %d (attempt %d): %s: %s", device, current.number, current.attempt,
@@ -58,36 +70,32 @@ class UpdateIntake:
             if self.store:
                 self.store.record_device_round(current.number, current.attempt, device, False,
                                                f"refused:{answer.reason}", {"detail": answer.detail})
-            self._receipt(device, current, None)
             return
-        update, delta, weight, steps, weight_note = answer
+        assert not isinstance(judged, messages.Refusal)
+        delta, weight, steps, weight_note = judged
         if weight_note:
             current.weights_clipped += 1
         current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps)
         if self.extras is not None:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
-        self.server_rule.observe(device, update.num_samples, update.metrics)
+        self.server_rule.observe(device, answer.num_samples, answer.metrics)
         current.answered.add(device)
         self.accepted[(device, current.number, current.attempt)] = digest
-        current.device_metrics[device] = dict(update.metrics, num_samples=update.num_samples, weight=weight)
-        current.bytes_up += len(data)
-        self.last_metrics[device] = dict(update.metrics)
+        current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)
+        current.bytes_up += size
+        self.last_metrics[device] = dict(answer.metrics)
         self.metrics.accepted.inc()
-        self.metrics.bytes_up.inc(len(data))
+        self.metrics.bytes_up.inc(size)
         if self.store:
             self.store.record_device_round(current.number, current.attempt, device, True, None,
                                            current.device_metrics[device])
-        self._receipt(device, current, None)
 
-    def _receipt(self, device: str, current: Round | None, rejected: Rejected | None,
-                 answer: tuple[int, int] | None = None) -> None:
-        """Tell the device what became of its answer, so that it stops resending (or says why in its log)."""
+    def _receipt(self, device: str, answer: tuple[int, int], rejected: Rejected | None) -> None:
+        """Tell the device what became of its answer (round, attempt), so that it stops resending, or
+        says why in its log."""
         if self.session is None:
             return
-        round_no, attempt = answer or ((current.number, current.attempt) if current else (0, 1))
-        if rejected is not None:
-            round_no, attempt = getattr(rejected, "answer", None) or (round_no, attempt)
-        receipt = messages.Receipt(round_no, attempt, rejected is None, rejected.reason if rejected else "",
+        receipt = messages.Receipt(*answer, rejected is None, rejected.reason if rejected else "",
                                    rejected.detail[:1000] if rejected else "")
         self.session.publish(topics.receipt(self.fed, device), messages.encode("receipt", receipt), qos=1)
 
@@ -96,58 +104,53 @@ class UpdateIntake:
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise Rejected("schema", f"metric 'steps' must be a positive integer, got {steps!r}")
         trusted = self.sample_weights.weigh(device, update.num_samples)
-        note = "" if trusted.note.startswith("cold start") else trusted.note
-        if note:
+        if trusted.note:
             self.metrics.bounded.labels("weight").inc()
-            log.warning("update from %s: %s", device, note)
+            log.warning("update from %s: %s", device, trusted.note)
         try:
             weight = float(self.server_rule.weight(trusted.weight, update.metrics))
         except (ValueError, TypeError, KeyError) as exc:
             raise Rejected("schema", f"metrics unusable by {self.algorithm.name}: {exc}") from None
         if not (weight > 0 and weight < float("inf")):
             raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
-        return weight, steps, note
+        return weight, steps, trusted.note
 
-    def _validate(self, current: Round | None, device: str, data: bytes, arrived: float, digest: str
-                  ) -> tuple[messages.Update, dict, float, int, str] | messages.Refusal | None:
-        """The update, its decoded tensors, weight and steps; a refusal; or None for a resend of an
-        update already accepted. Raises Rejected with the reason."""
+    def _parse(self, device: str, data: bytes) -> messages.Update | messages.Refusal:
+        """Admission, size cap and the device's signature (before anything is parsed), then the header."""
         refused = self.admission(device) if self.admission else None
         if refused:
             raise Rejected(*refused)
-        # size cap and the device's signature come first: nothing is parsed before them
         answer = messages.decode_answer(data, self.max_update_bytes, self.device_keys.get(device), device)
         if answer.device != device:
             raise Rejected("sender", f"topic says {device} but the update claims {answer.device}")
         if answer.federation != self.fed:
             raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
+        return answer
+
+    def _judge(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
+               data: bytes, arrived: float) -> tuple[dict, float, int, str] | messages.Refusal | None:
+        """A readable answer: replay, freshness, then for an update its tensors, weight and steps.
+        None for a resend of an update already accepted in the open round. Raises Rejected."""
         key = (device, answer.round, answer.attempt)
         if key in self.accepted:
             still_open = current is not None and (current.number, current.attempt) == key[1:]
-            if self.accepted[key] == digest and still_open:
+            if still_open and self.accepted[key] == hashlib.sha256(data).hexdigest():
                 log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
                          device, answer.round, answer.attempt)
-                self._receipt(device, None, None, (answer.round, answer.attempt))
                 return None
             raise Rejected("replay", f"{device} already had an update accepted for round {answer.round} "
                                      f"(attempt {answer.attempt})")
-        try:
-            self._check_fresh(current, device, answer, arrived)
-        except Rejected as exc:
-            exc.answer = (answer.round, answer.attempt)  # type: ignore[attr-defined]
-            raise
-        assert current is not None
+        self._check_fresh(current, device, answer, arrived)
         if isinstance(answer, messages.Refusal):
             return answer
-        update = answer
-        if update.codec != codec.parse(self.settings.codec).name:
-            raise Rejected("codec", f"update uses codec {update.codec!r}, the task asked for {self.settings.codec!r}")
-        delta = codec.decode(update.codec, update.specs, update.body, {**self.specs, **self.extra_specs},
+        if answer.codec != codec.parse(self.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.settings.codec!r}")
+        delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.specs, **self.extra_specs},
                              self.max_values)
         bound = self.settings.max_update_norm
         if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
-        return (update, delta, *self._weight_and_steps(device, update))
+        return (delta, *self._weight_and_steps(device, answer))
 
     def _check_fresh(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
                      arrived: float) -> None:

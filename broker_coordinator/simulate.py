@@ -209,7 +209,7 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
 
     out.mkdir(parents=True, exist_ok=True)
     meta = {"dataset": data.name, "model": data.model, "agents": spec.agents,
-            "partition": str(spec.partition_file) if spec.partition_file else spec.partition,
+            "partition": spec.partition_file.name if spec.partition_file else spec.partition,
             "seed": spec.seed, "algorithm": settings.algorithm, "codec": settings.codec,
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,

@@ -67,7 +67,7 @@ class SampleWeights:
         # median of many devices is what bounds it later)
         self.known[device] = trusted if self.round_cap is not None or last is not None else float(reported)
         if self.round_cap is None:
-            return Weighed(1.0, "cold start: uniform weights" if reported != 1 else "")
+            return Weighed(1.0)  # a cold start: equal weights for the round, nothing clipped
         note = f"sample count {reported} clipped to {trusted:.0f} ({'; '.join(notes)})" if notes else ""
         return Weighed(trusted, note)
 

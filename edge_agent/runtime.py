@@ -17,6 +17,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from edgefl_protocol.persist import atomic_write
+
 log = logging.getLogger("edge_agent")
 SESSION_FILE = "session.json"
 _hooked: weakref.WeakSet = weakref.WeakSet()  # clients whose disconnects are recorded already
@@ -44,9 +46,7 @@ def _write(state_dir: str | Path, connected: bool, reason: str) -> None:
     text = json.dumps({"pid": os.getpid(), "connected": connected, "since": time.time(), "reason": reason})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write(path, text.encode())
     except OSError as exc:  # status falls back to a live check; the session itself is unaffected
         log.warning("cannot write %s: %s", path, exc)
 
