@@ -113,7 +113,8 @@ def encode(kind: str, message: Any) -> bytes:
     return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **asdict(message)}, use_bin_type=True)
 
 
-def _unpack(data: bytes, kind: str, max_bytes: int) -> dict[str, Any]:
+def _unpack(data: bytes, kind: str, max_bytes: int, also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The header map of a `kind` message (or one of the kinds in `also`), checked before any field."""
     if len(data) > max_bytes:
         raise Rejected("oversized", f"{kind} message of {len(data)} bytes exceeds the cap of {max_bytes}")
     try:
@@ -124,7 +125,7 @@ def _unpack(data: bytes, kind: str, max_bytes: int) -> dict[str, Any]:
         raise Rejected("malformed", f"{kind} message must be a map")
     if obj.get("schema") != SCHEMA_VERSION:
         raise Rejected("schema", f"schema version {obj.get('schema')!r} is not {SCHEMA_VERSION}")
-    if obj.get("kind") != kind:
+    if obj.get("kind") != kind and obj.get("kind") not in also:
         raise Rejected("schema", f"expected a {kind} message, got kind {obj.get('kind')!r}")
     return obj
 
@@ -194,25 +195,20 @@ def decode_answer(data: bytes, max_bytes: int, key: bytes | None, sender: str = 
     key), and only then the header, which is an update or a refusal."""
     if len(data) > max_bytes:
         raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
-    payload = signing.verify(data, key, sender)
-    try:
-        kind = msgpack.unpackb(payload, raw=False, max_map_len=MAX_HEADER_FIELDS).get("kind")
-    except Exception:  # noqa: BLE001 - _unpack below says what is wrong
-        kind = "update"
-    if kind == "refusal":
-        obj = _unpack(payload, "refusal", max_bytes)
+    obj = _unpack(signing.verify(data, key, sender), "update", max_bytes, also=("refusal",))
+    if obj["kind"] == "refusal":
         return Refusal(device=_device(obj), round=_field(obj, "round", int), attempt=_attempt(obj),
                        reason=_string(obj, "reason"), detail=_string(obj, "detail"),
                        federation=_field(obj, "federation", str))
-    return _update(_unpack(payload, "update", max_bytes))
+    return _update(obj)
 
 
 def decode_update(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Update:
-    """Size cap, then the signature (with `sender`'s key), and only then the header."""
-    if len(data) > max_bytes:
-        raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
-    payload = signing.verify(data, key, sender)
-    return _update(_unpack(payload, "update", max_bytes))
+    """An update only (a refusal is rejected): see `decode_answer`."""
+    answer = decode_answer(data, max_bytes, key, sender)
+    if not isinstance(answer, Update):
+        raise Rejected("schema", "expected a update message, got kind 'refusal'")
+    return answer
 
 
 def _device(obj: dict[str, Any]) -> str:
