@@ -22,6 +22,7 @@ import shlex
 import signal
 import ssl
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -46,15 +47,21 @@ def open_registry(config: CoordinatorConfig) -> Registry:
 
 # the broker's files ---------------------------------------------------------------------
 def write_file(path: Path, text: str, mode: int) -> None:
-    """Write atomically (temp file, rename) with `mode`, owned like its directory when run as root."""
+    """Write atomically (temp file, rename) with `mode`, owned like its directory when run as root.
+    The temp file's name is unique: the CLI and the service's enrollment desk (which rewrites the
+    password file when a token expires) may write the same file at the same moment."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)
-    match_owner(tmp)
-    os.replace(tmp, path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, mode)
+        match_owner(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def render_password_file(config: CoordinatorConfig, registry: Registry) -> str:
