@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: RoundSettings.codec, see README)")
     sim.add_argument("--model-codec", type=_codec, default="float32",
                      help="downlink codec for the global model: float32 (lossless) or float16, optionally +zlib")
+    sim.add_argument("--downlink", choices=["full", "delta"], default=defaults.downlink,
+                     help="delta: devices holding a recent model get lossy deltas of it (--downlink-codec), "
+                          "others the full model; full: every device fetches the whole model (default: %(default)s)")
+    sim.add_argument("--downlink-codec", type=_codec, default=defaults.downlink_codec,
+                     help="codec of the downlink deltas (default: %(default)s)")
+    sim.add_argument("--downlink-chain", type=_bounded(int, 1, 64), default=defaults.downlink_chain,
+                     help="versions whose deltas stay retained: a device further behind fetches the full model "
+                          "(default: %(default)s)")
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
@@ -180,7 +188,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                              momentum=args.momentum, round_timeout=args.round_timeout,
                              selection=args.selection, min_updates=args.min_updates,
                              normalize_steps=args.normalize_steps, model_codec=args.model_codec,
-                             serve_average=args.serve_average, hparams=dict(args.hparam))
+                             serve_average=args.serve_average, hparams=dict(args.hparam),
+                             downlink=args.downlink, downlink_codec=args.downlink_codec,
+                             downlink_chain=args.downlink_chain)
     if args.codec:
         settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))

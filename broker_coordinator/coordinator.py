@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edgefl_protocol import algorithms, codec, downlink, messages, topics
+from edgefl_protocol import algorithms, codec, delta_downlink, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights, set_weights
@@ -87,6 +87,11 @@ class Coordinator(UpdateIntake):
         self.extras: StreamingMean | None = None
         self.max_values = sum(math.prod(shape) for shape in {**self.specs, **self.extra_specs}.values())
         self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)  # the broker's packet limit agrees
+        # downlink = "delta": B, the model devices reconstruct from lossy deltas; self.weights stays the
+        # global model G (evaluated, served, checkpointed), G - B is what the downlink still owes
+        self.broadcast = delta_downlink.Broadcast(self._release_tensors(), 0, settings.downlink_codec,
+                                                  settings.downlink_chain) if settings.downlink == "delta" else None
+        self._retained_deltas: set[str] = set()  # delta topics retained on the broker
         self.rng = random.Random(seed)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
@@ -127,6 +132,11 @@ class Coordinator(UpdateIntake):
         self.norm_bound.load_state(ckpt.trust.get("norms") or {})
         self.served.weights = ckpt.served if ckpt.served is not None else dict(self.weights)
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
+        if self.broadcast is not None and not self.broadcast.load(ckpt.downlink, self.version):
+            # no broadcast state for this version (an older checkpoint, a rollback): B starts as G,
+            # and every device fetches the full model once
+            self.broadcast = delta_downlink.Broadcast(self._release_tensors(), self.version,
+                                                      self.settings.downlink_codec, self.settings.downlink_chain)
         log.warning("resumed from the checkpoint of round %d (model version %d, sha256 %s)",
                     ckpt.round, ckpt.version, ckpt.sha256[:12])
 
@@ -251,19 +261,37 @@ class Coordinator(UpdateIntake):
             progress(len(self.online), count)
 
     # rounds -------------------------------------------------------------------------
+    def _release_tensors(self) -> dict[str, np.ndarray]:
+        return {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
+
     def _publish_model(self, deadline: float) -> None:
-        """Once per version: retained chunks, then the retained manifest; clear the previous version."""
+        """Once per version: retained chunks, the retained deltas (downlink = "delta"), then the retained
+        manifest; clear the previous version and the deltas that left the chain."""
         assert self.session is not None
         if self._published and self._published[0] == self.version:
             return
-        tensors = {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
+        tensors, chain, deltas = self._release_tensors(), [], []
+        if self.broadcast is not None:  # the full model is B too: exactly what the deltas reconstruct
+            tensors = self.broadcast.advance(tensors, self.version)
+            chain = self.broadcast.manifest_chain()
+            deltas = [(topics.model_delta(self.fed, v), d) for v, d in sorted(self.broadcast.deltas.items())]
         manifest, chunks = downlink.release(self.version, self.arch, tensors, self.settings.model_codec,
-                                            self.settings.model_chunk_bytes)
+                                            self.settings.model_chunk_bytes, chain)
         self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
-        self._model_payloads.append((topics.model(self.fed, self.version), messages.encode("model", manifest)))
+        self._model_payloads += deltas + [(topics.model(self.fed, self.version), messages.encode("model", manifest))]
         for topic, payload in self._model_payloads:
+            if topic in self._retained_deltas:
+                continue  # retained since an earlier version
             if not self.session.publish_until(topic, payload, deadline, retain=True):
                 raise RoundFailed(f"could not publish model version {self.version} before the deadline")
+        kept = {topic for topic, _ in deltas}
+        # after a start, deltas an earlier run left retained are not known: clear the recent versions'
+        stale = self._retained_deltas if self._published else {
+            topics.model_delta(self.fed, v) for v in range(max(1, self.version - 2 * self.settings.downlink_chain),
+                                                           self.version + 1)} if self.broadcast else set()
+        for topic in sorted(stale - kept):
+            self.session.publish(topic, b"", qos=1, retain=True)
+        self._retained_deltas = kept
         if self._published:  # clear the previous version's retained copies
             old, count = self._published
             self.session.publish(topics.model(self.fed, old), b"", qos=1, retain=True)
@@ -395,19 +423,27 @@ class Coordinator(UpdateIntake):
         self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
                                                    self.extras.mean() if self.extras is not None else None)
         self.version += 1
+        if self.broadcast is not None:  # B follows G at once, so the checkpoint holds both
+            self.broadcast.advance(self._release_tensors(), self.version)
         set_weights(self.model, self.weights)
         set_weights(self.served_model, self.served.update(self.weights))
         self._set_state(rnd, RoundState.AGGREGATED)
         accuracy, loss = evaluate(self.served_model, self.test_set)
+        broadcast_accuracy = None
+        if self.broadcast is not None:  # the model devices hold, beside the global model
+            set_weights(self.served_model, {n: self.broadcast.tensors[n] for n in self.weights})
+            broadcast_accuracy = evaluate(self.served_model, self.test_set)[0]
         self._set_state(rnd, RoundState.EVALUATED)
         record = self._record(rnd, base_sha, model_sha256(self.weights),
                               "complete" if rnd.complete else "deadline", accuracy, loss)
+        record.broadcast_accuracy = broadcast_accuracy
         if self.store:
             self.store.save_checkpoint(Checkpoint(round_no, self.version, self.arch, self.weights,
                                                   record.model_sha256, self.server_rule.state(), asdict(record),
                                                   self.served.weights if self.settings.serve_average else None,
                                                   {"weights": self.sample_weights.state(),
-                                                   "norms": self.norm_bound.state()}))
+                                                   "norms": self.norm_bound.state()},
+                                                  self.broadcast.state() if self.broadcast else {}))
             self.store.record_round(asdict(record))
         self._set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1
@@ -437,7 +473,14 @@ class Coordinator(UpdateIntake):
             clipped["direction"] = len(rnd.aggregate.gated)
         return RoundRecord(rnd.number, rnd.attempt, rnd.aggregate.count, len(rnd.cohort), accuracy, loss,
                            rnd.bytes_up, time.time() - rnd.started, dict(rnd.rejected), closed, base_sha,
-                           model_sha, rnd.device_metrics, clipped, dict(rnd.refused), rnd.reason)
+                           model_sha, rnd.device_metrics, clipped, dict(rnd.refused), rnd.reason,
+                           _bytes_down(rnd.device_metrics))
+
+
+def _bytes_down(device_metrics: Mapping[str, Mapping[str, Any]]) -> int:
+    """Model bytes the round's participants say they received (a measurement, trusted for nothing)."""
+    values = (m.get("bytes_down") for m in device_metrics.values())
+    return sum(int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**40)
 
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgefl_protocol import algorithms, codec, downlink
+from edgefl_protocol import algorithms, codec, delta_downlink, downlink
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.task_limits import check_training
 
@@ -34,6 +34,11 @@ class RoundSettings:
     codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
     model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
     model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
+    # "delta": a device holding one of the last downlink_chain versions gets lossy deltas in
+    # downlink_codec, "full": every device fetches the whole model (edgefl_protocol/delta_downlink.py)
+    downlink: str = delta_downlink.DEFAULT_MODE
+    downlink_codec: str = delta_downlink.DEFAULT_CODEC
+    downlink_chain: int = delta_downlink.DEFAULT_CHAIN
     max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no hard bound
     # what a device's update may weigh and how far it may move the model (see broker_coordinator/trust.py)
     weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
@@ -84,6 +89,7 @@ class RoundSettings:
             raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
         codec.parse(self.codec)
         downlink.check_model_codec(self.model_codec)
+        delta_downlink.check_settings(self.downlink, self.downlink_codec, self.downlink_chain, self.model_codec)
 
     def task_hparams(self, round_no: int) -> dict[str, float]:
         algorithm = algorithms.get(self.algorithm)
@@ -113,3 +119,5 @@ class RoundRecord:
     clipped: dict[str, int] = field(default_factory=dict)  # {"norm": n, "weight": m}: bounded, not rejected
     refused: dict[str, str] = field(default_factory=dict)  # device -> why it refused the task
     reason: str = ""
+    bytes_down: int = 0  # model bytes the participants report receiving since their last update
+    broadcast_accuracy: float | None = None  # downlink = "delta": the model devices hold (B), beside G's

@@ -68,6 +68,7 @@ class Checkpoint:
     record: dict[str, Any]
     served: dict[str, np.ndarray] | None = None  # the served moving average, when serve_average is on
     trust: dict[str, Any] = field(default_factory=dict)  # SampleWeights and NormBound state (see trust)
+    downlink: dict[str, Any] = field(default_factory=dict)  # the broadcast model and its deltas (delta_downlink)
 
 
 class Store:
@@ -200,14 +201,14 @@ class Store:
 def _pack_checkpoint(ckpt: Checkpoint) -> bytes:
     return pack({"round": ckpt.round, "version": ckpt.version, "arch": ckpt.arch, "weights": ckpt.weights,
                  "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record,
-                 "served": ckpt.served, "trust": ckpt.trust})
+                 "served": ckpt.served, "trust": ckpt.trust, "downlink": ckpt.downlink})
 
 
 def _read_checkpoint(path: Path) -> Checkpoint:
     raw = unpack(path.read_bytes())
     ckpt = Checkpoint(raw["round"], raw["version"], raw["arch"], raw["weights"], raw["sha256"],
                       raw.get("server_state") or {}, raw.get("record") or {}, raw.get("served"),
-                      raw.get("trust") or {})
+                      raw.get("trust") or {}, raw.get("downlink") or {})
     if model_sha256(ckpt.weights) != ckpt.sha256:
         raise ValueError(f"checkpoint {path} is corrupt: its weights do not match the recorded sha256")
     return ckpt

@@ -8,7 +8,11 @@ profile and whether it is busy training.
 The model arrives as a retained manifest per version; the agent subscribes to
 that version's chunks only when it does not already hold the same bytes
 (sha256, kept in memory and in `model.bin` in the state dir), reassembles
-and verifies them. The delta goes out signed with the device's key, in the
+and verifies them. When the manifest lists retained deltas (`downlink = "delta"`) and the
+agent holds the model one of them applies to, it fetches those few deltas
+instead and checks the reconstruction against the manifest's sha256; on any
+mismatch it says so in one line and fetches the full model
+(edgefl_protocol/delta_downlink.py). The delta goes out signed with the device's key, in the
 codec the task names; for top-k codecs the error-feedback residual is kept in
 the device state (saved once per round with the rest).
 
@@ -29,11 +33,12 @@ import signal
 import threading
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
+from edgefl_protocol import algorithms, codec, delta_downlink, downlink, messages, signing, topics
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.task_limits import check_training
@@ -79,6 +84,8 @@ class Agent:
         self.tasks: queue.Queue[messages.Task] = queue.Queue(maxsize=16)
         self.models: dict[int, tuple[messages.ModelRelease, bytes]] = {}  # version -> manifest, verified body
         self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
+        self.chains: dict[int, delta_downlink.Chain] = {}  # versions being reconstructed from deltas
+        self.downlink_rejected: Counter[str] = Counter()  # model messages ignored, by reason
         self.cached: tuple[str, bytes] | None = self._load_cached_model()  # (sha256, body)
         self.models_changed = threading.Condition()
         self.key = signing.key_from_hex(config.device.signing_key) if config.device.signing_key else None
@@ -92,6 +99,8 @@ class Agent:
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
+        # model bytes received (manifests, chunks, deltas) not yet reported with an accepted update
+        self.state.data.setdefault("bytes_down", 0)
         threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
         self.profile = {**probe(), "threads": threads, "samples": len(self.data)}
@@ -112,7 +121,8 @@ class Agent:
     def _on_connect(self, client) -> None:  # noqa: ANN001
         client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1),
                           (topics.receipt(self.fed, self.device), 1)]
-                         + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)])
+                         + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)]
+                         + [(topics.model_delta(self.fed, v), 1) for c in list(self.chains.values()) for v in c.versions])
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
         record_session(client, self.config.device.state_dir)  # for `edge-agent status` (edge_agent/runtime.py)
         log.info("connected as %s", self.device)
@@ -129,13 +139,21 @@ class Agent:
                     self.receipts[(receipt.round, receipt.attempt)] = receipt
                     self.receipt_arrived.notify_all()
             elif (version := topics.parse_model_topic(msg.topic)) is not None and msg.payload:
+                self._count_down(msg.payload)
                 release = messages.decode_model(msg.payload, MAX_MODEL_BYTES)
                 if release.version != version:
                     raise Rejected("schema", f"model topic says version {version}, message says {release.version}")
                 self._on_manifest(client, release)
             elif (where := topics.parse_model_chunk_topic(msg.topic)) is not None and msg.payload:
+                self._count_down(msg.payload)
                 self._on_chunk(client, *where, msg.payload)
+            elif (version := topics.parse_model_delta_topic(msg.topic)) is not None and msg.payload:
+                self._count_down(msg.payload)
+                self._on_delta(client, version, msg.payload)
         except Rejected as exc:
+            if topics.parse_model_delta_topic(msg.topic) is not None or topics.parse_model_topic(msg.topic) is not None \
+                    or topics.parse_model_chunk_topic(msg.topic) is not None:
+                self.downlink_rejected[exc.reason] += 1
             log.warning("ignored message on %s: %s", msg.topic, exc)
         except queue.Full:
             log.warning("task queue full; dropped a task on %s", msg.topic)
@@ -147,8 +165,49 @@ class Agent:
             if self.cached and self.cached[0] == release.sha256:  # already have these bytes: no fetch
                 self._ready(release, self.cached[1])
                 return
-            self.assemblies[release.version] = downlink.Assembly(release)
-        client.subscribe(topics.model_chunks(self.fed, release.version), qos=1)
+            held = {m.sha256: body for m, body in self.models.values()}
+            if self.cached:
+                held[self.cached[0]] = self.cached[1]
+            plan = delta_downlink.plan(release, held)
+            if plan is None:  # new, too far behind, or a model the server no longer chains from
+                self.assemblies[release.version] = downlink.Assembly(release)
+            else:
+                self.chains[release.version] = delta_downlink.Chain(release, *plan)
+        if plan is None:
+            client.subscribe(topics.model_chunks(self.fed, release.version), qos=1)
+        else:
+            client.subscribe([(topics.model_delta(self.fed, v), 1) for v in range(plan[0], release.version + 1)])
+
+    def _count_down(self, payload: bytes) -> None:
+        with self.models_changed:
+            self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)) + len(payload)
+
+    def _on_delta(self, client, version: int, payload: bytes) -> None:  # noqa: ANN001
+        delta = messages.decode_delta(payload, MAX_MODEL_BYTES)
+        if delta.version != version:
+            raise Rejected("schema", f"delta topic says version {version}, message says {delta.version}")
+        with self.models_changed:
+            chain = next((c for c in self.chains.values() if version in c.versions), None)
+            if chain is None:
+                return
+            chain.add(delta)
+            if not chain.complete:
+                return
+            del self.chains[chain.manifest.version]
+        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions])
+        try:
+            body = chain.body(MAX_MODEL_VALUES)  # every step's sha256 checked, or Rejected
+        except Rejected as exc:
+            # never train on a model the server does not hold: fetch the full one instead
+            log.warning("model version %d: deltas from version %d do not reproduce it (%s); fetching the full "
+                        "model", chain.manifest.version, chain.first - 1, exc.detail)
+            self.downlink_rejected[exc.reason] += 1
+            with self.models_changed:
+                self.assemblies[chain.manifest.version] = downlink.Assembly(chain.manifest)
+            client.subscribe(topics.model_chunks(self.fed, chain.manifest.version), qos=1)
+            return
+        with self.models_changed:
+            self._ready(chain.manifest, body)
 
     def _on_chunk(self, client, version: int, index: int, data: bytes) -> None:  # noqa: ANN001
         with self.models_changed:
@@ -308,6 +367,9 @@ class Agent:
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
         ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
+        with self.models_changed:  # reported once: put back below if the update is not accepted
+            bytes_down, self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)), 0
+        result.metrics["bytes_down"] = bytes_down
         old_residual = ef.get("residual")
         encoded = codec.encode(result.delta, task.codec, old_residual)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
@@ -327,6 +389,8 @@ class Agent:
         else:
             # the server did not fold it (or we cannot know that it did): the dual stays as it was and
             # all of the delta is still owed
+            with self.models_changed:
+                self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)) + bytes_down
             self.state.data[algorithm.name] = before
             ef["residual"] = owed(result.delta, old_residual) if encoded.residual is not None else None
         if ef.get("residual") is None:

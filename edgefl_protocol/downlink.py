@@ -5,7 +5,8 @@ The coordinator encodes the weights with a lossless codec (float32, optionally
 into raw chunks of at most `chunk_bytes`, each retained on its own topic. A
 device subscribes to a version's chunks only when it does not already hold
 that version's bytes (same sha256), reassembles them, and verifies the sha256
-before decoding anything.
+before decoding anything. With `[rounds] downlink = "delta"` a device that
+holds a recent version gets deltas instead (see `delta_downlink`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ def check_model_codec(name: str) -> None:
 
 
 def release(version: int, arch: str, weights, codec_name: str = "float32",
-            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[ModelRelease, list[bytes]]:
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, chain: list | None = None) -> tuple[ModelRelease, list[bytes]]:
+    """The manifest and chunks of one version; `chain` lists its retained deltas (delta_downlink)."""
     check_model_codec(codec_name)
     encoded = codec.encode(weights, codec_name)
     body = encoded.body
     chunks = [body[i:i + chunk_bytes] for i in range(0, len(body), chunk_bytes)] or [b""]
     manifest = ModelRelease(version, arch, encoded.codec, encoded.specs, len(body),
-                            hashlib.sha256(body).hexdigest(), len(chunks), chunk_bytes)
+                            hashlib.sha256(body).hexdigest(), len(chunks), chunk_bytes, list(chain or []))
     return manifest, chunks
 
 

@@ -1,6 +1,6 @@
 """Message schemas. Every message is one msgpack map:
 
-    {"schema": 1, "kind": "task" | "update" | "refusal" | "receipt" | "model" | "status", ...header fields...,
+    {"schema": 1, "kind": "task" | "update" | "refusal" | "receipt" | "model" | "delta" | "status", ...header fields...,
      "body": <bytes or absent>}
 
 Tensors ride in `body` as separately encoded bytes (see `codec`), described
@@ -27,6 +27,7 @@ from .topics import check_name
 
 Scalar = int | float | str | bool
 MAX_HEADER_FIELDS = 64
+MAX_CHAIN = 64  # retained downlink deltas a manifest may list
 MAX_STRING = 256  # characters of a string scalar a device may report (a metric, a reason)
 
 
@@ -100,6 +101,26 @@ class ModelRelease:
     sha256: str
     chunks: int
     chunk_bytes: int
+    # downlink = "delta": [[v, sha256 of the broadcast model v - 1], ...], one per retained delta
+    # (see `delta_downlink`); a device holding one of those models fetches deltas instead of chunks
+    chain: list = field(default_factory=list)
+
+
+@dataclass
+class ModelDelta:
+    """Broadcast model `version` - broadcast model `version - 1`, retained on
+    `topics.model_delta(fed, version)`: the model tensors' difference in a lossy
+    `codec`, the server rule's tensors (`extra.*`) whole in float32 (`state`), and
+    the sha256 of the model it applies to and of the result (see `delta_downlink`)."""
+
+    version: int
+    base_sha256: str
+    sha256: str
+    codec: str
+    specs: list
+    body: bytes
+    state_specs: list
+    state: bytes
 
 
 @dataclass
@@ -257,15 +278,46 @@ def decode_model(data: bytes, max_bytes: int) -> ModelRelease:
         sha256=_field(obj, "sha256", str),
         chunks=_field(obj, "chunks", int),
         chunk_bytes=_field(obj, "chunk_bytes", int),
+        chain=_chain(obj.get("chain", [])),
     )
     if not 0 <= release.size <= max_bytes:
         raise Rejected("oversized", f"model declares {release.size} bytes, the cap is {max_bytes}")
     if release.chunk_bytes < 1 or release.chunks != max(1, -(-release.size // release.chunk_bytes)):
         raise Rejected("schema", f"model declares {release.chunks} chunks of {release.chunk_bytes} bytes "
                                  f"for {release.size} bytes")
-    if len(release.sha256) != 64 or any(c not in "0123456789abcdef" for c in release.sha256):
-        raise Rejected("schema", "model sha256 must be 64 lower-case hex digits")
+    _sha256(release.sha256, "model sha256")
     return release
+
+
+def _sha256(value: str, what: str) -> str:
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise Rejected("schema", f"{what} must be 64 lower-case hex digits")
+    return value
+
+
+def _chain(value: object) -> list:
+    if not isinstance(value, list) or len(value) > MAX_CHAIN:
+        raise Rejected("schema", f"model chain must be a list of at most {MAX_CHAIN} [version, sha256] pairs")
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and item[0] >= 1
+                and isinstance(item[1], str)):
+            raise Rejected("schema", "each model chain entry must be [version >= 1, sha256]")
+        _sha256(item[1], "model chain sha256")
+    return value
+
+
+def decode_delta(data: bytes, max_bytes: int) -> ModelDelta:
+    """One downlink delta (see `delta_downlink`); its tensors are checked when they are decoded."""
+    obj = _unpack(data, "delta", max_bytes)
+    delta = ModelDelta(version=_field(obj, "version", int), base_sha256=_field(obj, "base_sha256", str),
+                       sha256=_field(obj, "sha256", str), codec=_field(obj, "codec", str),
+                       specs=_field(obj, "specs", list), body=_field(obj, "body", bytes),
+                       state_specs=_field(obj, "state_specs", list), state=_field(obj, "state", bytes))
+    if delta.version < 1:
+        raise Rejected("schema", f"delta version must be >= 1, got {delta.version}")
+    _sha256(delta.base_sha256, "delta base_sha256")
+    _sha256(delta.sha256, "delta sha256")
+    return delta
 
 
 def decode_status(data: bytes, max_bytes: int = 65536) -> Status:

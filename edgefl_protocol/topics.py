@@ -2,6 +2,7 @@
 
     edgefl/<fed>/model/<version>      retained: the manifest of that global model version
     edgefl/<fed>/model/<version>/<i>  retained: its i-th raw chunk (fetched only by devices that need it)
+    edgefl/<fed>/model/<version>/delta/<version-1>  retained: the downlink delta to it (downlink = "delta")
     edgefl/<fed>/device/<id>/task     the device's work for a round
     edgefl/<fed>/device/<id>/update   the device's answer, or its refusal of the task (only it may write)
     edgefl/<fed>/device/<id>/receipt  the coordinator's verdict on each answer (the device resends until it has one)
@@ -45,6 +46,20 @@ def model_chunk(fed: str, version: int, index: int) -> str:
 
 def model_chunks(fed: str, version: int) -> str:
     return f"{ROOT}/{fed}/model/{version}/+"
+
+
+def model_delta(fed: str, version: int) -> str:
+    return f"{ROOT}/{fed}/model/{version}/delta/{version - 1}"
+
+
+def parse_model_delta_topic(topic: str) -> int | None:
+    """`edgefl/<fed>/model/<v>/delta/<v-1>` -> v; None for anything else."""
+    parts = topic.split("/")
+    if (len(parts) != 6 or parts[0] != ROOT or parts[2] != "model" or parts[4] != "delta"
+            or not all(p.isascii() and p.isdigit() for p in (parts[3], parts[5]))
+            or int(parts[5]) != int(parts[3]) - 1):
+        return None
+    return int(parts[3])
 
 
 def task(fed: str, device: str) -> str:

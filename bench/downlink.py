@@ -1,0 +1,209 @@
+"""Downlink benchmark (a benchmark, not a test): float32 full models vs lossy deltas, in the field.
+
+Real `broker-coordinator simulate` runs of the default algorithm on the field
+benchmark's partition, fleet, churn and deadline (bench/field.py), at a
+smaller size (AGENTS agents, PER_ROUND per round, ROUNDS rounds), once with
+`--downlink full` (every device fetches the float32 model) and once with
+`--downlink delta` (the default: lossy deltas with server-side error feedback,
+edgefl_protocol/delta_downlink.py), same seed, same settings.
+
+Bytes are what was actually sent and received: up is the signed updates the
+coordinator accepted (history `bytes_up`), down is the model messages
+(manifests, chunks, deltas) each device counted as it received them and
+reported with its next accepted update (history `bytes_down`). Both are divided
+by the accepted client-rounds. Devices follow every version, selected or not,
+so down per client-round is about (devices online / participants) model
+transfers.
+
+    python -m bench.downlink                 # seed 1, both modes (about 15 minutes on a loaded host)
+    python -m bench.downlink --seeds 1,2
+    python -m bench.downlink --report        # rebuild downlink.json/md from the cached runs
+
+Runs are cached in bench/results/downlink_runs/<mode>/seed<N>_r<R>.json.
+Writes bench/results/downlink.json and downlink.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.field import CHURN, DEADLINE, FLEET, PARTITION_FILE, PROJECT_ROOT
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "downlink_runs"
+AGENTS, PER_ROUND, ROUNDS = 20, 10, 25
+MODES = ("full", "delta")
+TARGET_BYTES, TARGET_POINTS = 24 * 1024, 0.5
+LAST = 3  # rounds averaged for the "last rounds" accuracy (less noisy than the final round alone)
+
+
+def run_one(mode: str, seed: int, rounds: int) -> dict:
+    path = RUNS / mode / f"seed{seed}_r{rounds}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    with tempfile.TemporaryDirectory(prefix="edgefl-downlink-") as tmp:
+        out = Path(tmp) / "out"
+        args = [sys.executable, "-m", "broker_coordinator", "simulate", "--agents", str(AGENTS),
+                "--rounds", str(rounds), "--dataset", "mnist5k", "--partition-file", str(PARTITION_FILE),
+                "--clients-per-round", str(PER_ROUND), "--local-epochs", "0", "--round-timeout", str(DEADLINE),
+                "--fleet", FLEET, "--churn", CHURN, "--seed", str(seed), "--federation", f"downlink{seed}",
+                "--downlink", mode, "--out", str(out)]
+        log_path = RUNS / "logs" / f"{mode}_seed{seed}_r{rounds}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        started, load_before = time.time(), os.getloadavg()[0]
+        print(f"[{time.strftime('%H:%M:%S')}] downlink {mode} seed {seed}", flush=True)
+        with open(log_path, "w") as log:
+            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=rounds * 120 + 900,
+                                    cwd=PROJECT_ROOT)
+        if result.returncode != 0:
+            raise RuntimeError(f"downlink {mode} seed {seed} failed (exit {result.returncode}); see {log_path}")
+        history = json.loads((out / "history.json").read_text())
+    portable = [str(PARTITION_FILE.relative_to(PROJECT_ROOT)) if a == str(PARTITION_FILE) else
+                "OUT" if a == str(out) else a for a in args[1:]]
+    record = {**history, "wall_seconds": time.time() - started, "command": portable,
+              "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record) + "\n")
+    return record
+
+
+def run_stats(record: dict) -> dict:
+    rounds = [r for r in record["rounds"] if r["closed"] != "abandoned"]
+    participants = sum(r["participants"] for r in rounds)
+    accuracy = [100 * r["accuracy"] for r in rounds]
+    broadcast = [100 * r["broadcast_accuracy"] for r in rounds if r.get("broadcast_accuracy") is not None]
+    return {
+        "final_accuracy": round(accuracy[-1], 2),
+        "last_accuracy": round(statistics.mean(accuracy[-LAST:]), 2),
+        "best_accuracy": round(max(accuracy), 2),
+        # the model devices hold (B); equal to the global model with a full downlink
+        "broadcast_final_accuracy": round(broadcast[-1], 2) if broadcast else round(accuracy[-1], 2),
+        "broadcast_last_accuracy": round(statistics.mean(broadcast[-LAST:]), 2) if broadcast else
+        round(statistics.mean(accuracy[-LAST:]), 2),
+        "up": round(sum(r["bytes_up"] for r in rounds) / max(participants, 1)),
+        "down": round(sum(r.get("bytes_down", 0) for r in rounds) / max(participants, 1)),
+        "client_rounds": participants,
+        "rounds": len(rounds),
+        "wall_seconds": round(record.get("wall_seconds") or 0),
+        "load1": record.get("load1"),
+        "curve": [round(a, 2) for a in accuracy],
+        "broadcast_curve": [round(a, 2) for a in broadcast],
+    }
+
+
+def report(rounds: int) -> dict:
+    from broker_coordinator.round_settings import RoundSettings
+    runs = {mode: {int(p.stem.split("_")[0][4:]): run_stats(json.loads(p.read_text()))
+                   for p in sorted((RUNS / mode).glob(f"seed*_r{rounds}.json"))} for mode in MODES}
+    seeds = sorted(set(runs["full"]) & set(runs["delta"]))
+    if not seeds:
+        raise SystemExit("no seed has both a full and a delta run yet")
+
+    def summary(mode: str) -> dict:
+        per_seed = [runs[mode][s] for s in seeds]
+        keys = ("final_accuracy", "last_accuracy", "best_accuracy", "broadcast_final_accuracy",
+                "broadcast_last_accuracy", "up", "down")
+        out = {k: round(statistics.median(r[k] for r in per_seed), 2) for k in keys}
+        out["per_seed"] = {str(s): runs[mode][s] for s in seeds}
+        return out
+
+    full, delta = summary("full"), summary("delta")
+    settings = RoundSettings()
+    lost = {k: round(full[k] - delta[k], 2) for k in ("final_accuracy", "last_accuracy",
+                                                      "broadcast_final_accuracy", "broadcast_last_accuracy")}
+    total = delta["up"] + delta["down"]
+    result = {
+        "bytes_per_client_round": {"up": delta["up"], "down": delta["down"]},
+        "float32": full, "delta": delta,
+        "points_lost": lost,
+        "targets": {"bytes_per_client_round_max": TARGET_BYTES, "bytes_met": total <= TARGET_BYTES,
+                    "points_lost_max": TARGET_POINTS,
+                    "accuracy_met": max(lost["final_accuracy"], lost["last_accuracy"]) <= TARGET_POINTS},
+        "setting": {"agents": AGENTS, "clients_per_round": PER_ROUND, "rounds": rounds, "seeds": seeds,
+                    "dataset": "mnist5k", "model": "mnist_cnn", "partition": PARTITION_FILE.name, "fleet": FLEET,
+                    "churn": CHURN, "deadline_s": DEADLINE, "local_epochs": 0, "algorithm": settings.algorithm,
+                    "uplink_codec": settings.codec, "downlink_codec": settings.downlink_codec,
+                    "downlink_chain": settings.downlink_chain, "statistic": "median over seeds"},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "downlink.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / "downlink.md").write_text(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    s, full, delta = result["setting"], result["float32"], result["delta"]
+    kb = 1024
+    lines = [
+        "# Downlink benchmark",
+        "",
+        f"`python -m bench.downlink` (bench/downlink.py). Real `broker-coordinator simulate` runs of "
+        f"`{s['algorithm']}`: {s['agents']} agents on `bench/data/{s['partition']}` (MNIST-5k, Dirichlet 0.1), "
+        f"{s['clients_per_round']} per round, {s['rounds']} rounds, fleet `{s['fleet']}`, churn `{s['churn']}`, "
+        f"deadline {s['deadline_s']:.0f} s, device-chosen epochs, uplink `{s['uplink_codec']}`; seeds "
+        f"{','.join(map(str, s['seeds']))} (medians over seeds). Down: the model messages devices received "
+        "(manifests, chunks, deltas), as each device counted them; up: the accepted signed updates; both per "
+        "accepted client-round. Devices follow every version, selected or not. Accuracy in % on the "
+        "coordinator's 1,000 held-out images: G is the global model (evaluated and checkpointed), B the "
+        f"broadcast model devices hold; \"last {LAST}\" is the mean of the last {LAST} rounds.",
+        "",
+        "| downlink | up KB | down KB | up + down KB | final G | last-3 G | final B | last-3 B | best G |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in (("float32 (full)", full), (f"delta `{s['downlink_codec']}`, chain {s['downlink_chain']}", delta)):
+        lines.append(f"| {name} | {v['up'] / kb:.1f} | {v['down'] / kb:.1f} | {(v['up'] + v['down']) / kb:.1f} "
+                     f"| {v['final_accuracy']:.2f} | {v['last_accuracy']:.2f} | {v['broadcast_final_accuracy']:.2f} "
+                     f"| {v['broadcast_last_accuracy']:.2f} | {v['best_accuracy']:.2f} |")
+    lost, t = result["points_lost"], result["targets"]
+    total = (delta["up"] + delta["down"]) / kb
+    lines += [
+        "",
+        f"- up + down per client-round with deltas: {total:.1f} KB (target <= {t['bytes_per_client_round_max'] / kb:.0f} "
+        f"KB): {'met' if t['bytes_met'] else '**missed**'}; float32 both ways would be about "
+        f"{(full['down'] + 4 * 80_000) / kb:.0f} KB (with the compressed uplink {(full['up'] + full['down']) / kb:.0f} KB).",
+        f"- points lost against the float32 downlink (positive: lost): final {lost['final_accuracy']:+.2f}, "
+        f"last-3 {lost['last_accuracy']:+.2f} (target <= {t['points_lost_max']}): "
+        f"{'met' if t['accuracy_met'] else '**missed**'}; on the broadcast model: final "
+        f"{lost['broadcast_final_accuracy']:+.2f}, last-3 {lost['broadcast_last_accuracy']:+.2f}.",
+        "",
+        "Per seed (final G accuracy, up / down KB per client-round, wall seconds, load average before/after):",
+        "",
+    ]
+    for mode, v in (("full", full), ("delta", delta)):
+        for seed, r in v["per_seed"].items():
+            lines.append(f"- {mode} seed {seed}: {r['final_accuracy']:.2f}% (B {r['broadcast_final_accuracy']:.2f}%), "
+                         f"{r['up'] / kb:.1f} / {r['down'] / kb:.1f} KB, {r['client_rounds']} client-rounds, "
+                         f"{r['wall_seconds']} s, load {r['load1']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per run (default {ROUNDS})")
+    parser.add_argument("--only", choices=MODES, default=None, help="run one mode only")
+    parser.add_argument("--report", action="store_true", help="only rebuild the report from cached runs")
+    args = parser.parse_args(argv)
+    if not args.report:
+        for seed in [int(s) for s in args.seeds.split(",") if s]:
+            for mode in [args.only] if args.only else MODES:
+                run_one(mode, seed, args.rounds)
+    try:
+        report(args.rounds)
+    except SystemExit as exc:
+        print(exc)
+        return 1
+    print((RESULTS / "downlink.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
