@@ -86,6 +86,7 @@ class Agent:
         self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
         self.chains: dict[int, delta_downlink.Chain] = {}  # versions being reconstructed from deltas
         self.downlink_rejected: Counter[str] = Counter()  # model messages ignored, by reason
+        self.arrived_via: dict[int, str] = {}  # version -> how the model got here: cache, full or delta
         self.cached: tuple[str, bytes] | None = self._load_cached_model()  # (sha256, body)
         self.models_changed = threading.Condition()
         self.key = signing.key_from_hex(config.device.signing_key) if config.device.signing_key else None
@@ -163,7 +164,7 @@ class Agent:
             if release.version in self.models or release.version in self.assemblies:
                 return
             if self.cached and self.cached[0] == release.sha256:  # already have these bytes: no fetch
-                self._ready(release, self.cached[1])
+                self._ready(release, self.cached[1], "cache")
                 return
             held = {m.sha256: body for m, body in self.models.values()}
             if self.cached:
@@ -183,31 +184,38 @@ class Agent:
             self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)) + len(payload)
 
     def _on_delta(self, client, version: int, payload: bytes) -> None:  # noqa: ANN001
-        delta = messages.decode_delta(payload, MAX_MODEL_BYTES)
-        if delta.version != version:
-            raise Rejected("schema", f"delta topic says version {version}, message says {delta.version}")
         with self.models_changed:
             chain = next((c for c in self.chains.values() if version in c.versions), None)
-            if chain is None:
-                return
-            chain.add(delta)
-            if not chain.complete:
-                return
-            del self.chains[chain.manifest.version]
-        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions])
+        if chain is None:
+            return  # a retained delta we no longer need
         try:
+            delta = messages.decode_delta(payload, MAX_MODEL_BYTES)
+            if delta.version != version:
+                raise Rejected("schema", f"delta topic says version {version}, message says {delta.version}")
+            with self.models_changed:
+                chain.add(delta)
+                if not chain.complete:
+                    return
             body = chain.body(MAX_MODEL_VALUES)  # every step's sha256 checked, or Rejected
         except Rejected as exc:
-            # never train on a model the server does not hold: fetch the full one instead
-            log.warning("model version %d: deltas from version %d do not reproduce it (%s); fetching the full "
-                        "model", chain.manifest.version, chain.first - 1, exc.detail)
-            self.downlink_rejected[exc.reason] += 1
-            with self.models_changed:
-                self.assemblies[chain.manifest.version] = downlink.Assembly(chain.manifest)
-            client.subscribe(topics.model_chunks(self.fed, chain.manifest.version), qos=1)
+            self._fetch_full(client, chain, exc)
             return
         with self.models_changed:
-            self._ready(chain.manifest, body)
+            self.chains.pop(chain.manifest.version, None)
+            self._ready(chain.manifest, body, "delta")
+        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions])
+
+    def _fetch_full(self, client, chain: delta_downlink.Chain, why: Rejected) -> None:  # noqa: ANN001
+        """A delta we cannot use: never train on a model the server does not hold; fetch the full one."""
+        log.warning("model version %d: cannot use the deltas from version %d (%s: %s); fetching the full model",
+                    chain.manifest.version, chain.first - 1, why.reason, why.detail)
+        self.downlink_rejected[why.reason] += 1
+        with self.models_changed:
+            if self.chains.pop(chain.manifest.version, None) is None:
+                return  # already given up on
+            self.assemblies[chain.manifest.version] = downlink.Assembly(chain.manifest)
+        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions])
+        client.subscribe(topics.model_chunks(self.fed, chain.manifest.version), qos=1)
 
     def _on_chunk(self, client, version: int, index: int, data: bytes) -> None:  # noqa: ANN001
         with self.models_changed:
@@ -227,12 +235,14 @@ class Agent:
             client.subscribe(topics.model_chunks(self.fed, version), qos=1)
             raise
         with self.models_changed:
-            self._ready(assembly.manifest, body)
+            self._ready(assembly.manifest, body, "full")
 
-    def _ready(self, release: messages.ModelRelease, body: bytes) -> None:
-        """Caller holds models_changed."""
+    def _ready(self, release: messages.ModelRelease, body: bytes, via: str) -> None:
+        """Caller holds models_changed. `via`: cache, full or delta (reported with the update)."""
         self.models = {v: m for v, m in self.models.items() if v > release.version - 2}
         self.models[release.version] = (release, body)
+        self.arrived_via = {v: how for v, how in self.arrived_via.items() if v in self.models}
+        self.arrived_via[release.version] = via
         self.models_changed.notify_all()
 
     def _load_cached_model(self) -> tuple[str, bytes] | None:
@@ -370,6 +380,9 @@ class Agent:
         with self.models_changed:  # reported once: put back below if the update is not accepted
             bytes_down, self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)), 0
         result.metrics["bytes_down"] = bytes_down
+        # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
+        result.metrics["model_sha"] = release.sha256[:16]
+        result.metrics["model_via"] = self.arrived_via.get(release.version, "cache")
         old_residual = ef.get("residual")
         encoded = codec.encode(result.delta, task.codec, old_residual)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+import msgpack
 import numpy as np
 
 from . import codec, messages
@@ -196,9 +197,7 @@ class Chain:
     def body(self, max_values: int) -> bytes:
         """The reconstructed float32 body of `manifest.version`, its sha256 checked at every step;
         Rejected("integrity") on any mismatch (the caller fetches the full model)."""
-        # the base's bytes are verified by their sha256; the newest specs name them (a base whose
-        # tensors differ cannot reproduce the manifest's sha256, and the device fetches in full)
-        tensors = codec.decode("float32", self.manifest.specs, self.base, None, max_values)
+        tensors = _model_tensors(self.base, self.manifest.specs, max_values)
         sha = hashlib.sha256(self.base).hexdigest()
         for version in self.versions:
             delta = self.got[version]
@@ -215,3 +214,17 @@ class Chain:
             raise Rejected("integrity", f"deltas reconstruct {sha[:12]}, manifest {self.manifest.version} "
                                         f"says {self.manifest.sha256[:12]}")
         return body
+
+
+def _model_tensors(body: bytes, specs: list, max_values: int) -> Tensors:
+    """The model tensors of a float32 body we hold (sha256-verified), named by the newest manifest's
+    specs; its `extra.*` tensors, which every delta replaces, are skipped (their set may change).
+    A base whose tensors differ cannot reproduce the manifest's sha256: the device fetches in full."""
+    model = [s for s in specs if isinstance(s, list) and s and not str(s[0]).startswith(EXTRA_PREFIX)]
+    try:
+        entries = msgpack.unpackb(body, raw=False, max_array_len=codec.MAX_TENSORS, max_str_len=0, max_map_len=0)
+    except Exception as exc:  # msgpack raises many types for junk
+        raise Rejected("malformed", f"the held model is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(entries, list) or len(entries) < len(model):
+        raise Rejected("shape", f"the held model has fewer than the manifest's {len(model)} model tensors")
+    return codec.decode("float32", model, msgpack.packb(entries[:len(model)], use_bin_type=True), None, max_values)
