@@ -11,9 +11,13 @@ Bytes are what was actually sent and received: up is the signed updates the
 coordinator accepted (history `bytes_up`), down is the model messages
 (manifests, chunks, deltas) each device counted as it received them and
 reported with its next accepted update (history `bytes_down`). Both are divided
-by the accepted client-rounds. Devices follow every version, selected or not,
-so down per client-round is about (devices online / participants) model
-transfers.
+by the accepted client-rounds. A device's first download (what it received
+while it held no model at all: joining the federation, once per device) is
+counted apart (`bytes_down_join`) and reported as `down_with_first_download`:
+in a 25-round run it is 20 full models spread over ~230 client-rounds, a cost
+that a long-lived federation does not pay per round. Devices follow every
+version, selected or not, so down per client-round is about (devices online /
+participants) versions' worth.
 
     python -m bench.downlink                 # seed 1, both modes (about 15 minutes on a loaded host)
     python -m bench.downlink --seeds 1,2
@@ -26,6 +30,7 @@ Writes bench/results/downlink.json and downlink.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -90,6 +95,9 @@ def run_stats(record: dict) -> dict:
         round(statistics.mean(accuracy[-LAST:]), 2),
         "up": round(sum(r["bytes_up"] for r in rounds) / max(participants, 1)),
         "down": round(sum(r.get("bytes_down", 0) for r in rounds) / max(participants, 1)),
+        "down_with_first_download": round((sum(r.get("bytes_down", 0) for r in rounds) + sum(
+            int(m.get("bytes_down_join", 0)) for r in rounds for m in r["devices"].values())) / max(participants, 1)),
+        "model_via": dict(collections.Counter(m.get("model_via", "?") for r in rounds for m in r["devices"].values())),
         "client_rounds": participants,
         "rounds": len(rounds),
         "wall_seconds": round(record.get("wall_seconds") or 0),
@@ -110,7 +118,7 @@ def report(rounds: int) -> dict:
     def summary(mode: str) -> dict:
         per_seed = [runs[mode][s] for s in seeds]
         keys = ("final_accuracy", "last_accuracy", "best_accuracy", "broadcast_final_accuracy",
-                "broadcast_last_accuracy", "up", "down")
+                "broadcast_last_accuracy", "up", "down", "down_with_first_download")
         out = {k: round(statistics.median(r[k] for r in per_seed), 2) for k in keys}
         out["per_seed"] = {str(s): runs[mode][s] for s in seeds}
         return out
@@ -155,12 +163,13 @@ def markdown(result: dict) -> str:
         "coordinator's 1,000 held-out images: G is the global model (evaluated and checkpointed), B the "
         f"broadcast model devices hold; \"last {LAST}\" is the mean of the last {LAST} rounds.",
         "",
-        "| downlink | up KB | down KB | up + down KB | final G | last-3 G | final B | last-3 B | best G |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| downlink | up KB | down KB | up + down KB | down KB with first download | final G | last-3 G "
+        "| final B | last-3 B | best G |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in (("float32 (full)", full), (f"delta `{s['downlink_codec']}`, chain {s['downlink_chain']}", delta)):
         lines.append(f"| {name} | {v['up'] / kb:.1f} | {v['down'] / kb:.1f} | {(v['up'] + v['down']) / kb:.1f} "
-                     f"| {v['final_accuracy']:.2f} | {v['last_accuracy']:.2f} | {v['broadcast_final_accuracy']:.2f} "
+                     f"| {v['down_with_first_download'] / kb:.1f} | {v['final_accuracy']:.2f} | {v['last_accuracy']:.2f} | {v['broadcast_final_accuracy']:.2f} "
                      f"| {v['broadcast_last_accuracy']:.2f} | {v['best_accuracy']:.2f} |")
     lost, t = result["points_lost"], result["targets"]
     total = (delta["up"] + delta["down"]) / kb
@@ -180,7 +189,9 @@ def markdown(result: dict) -> str:
     for mode, v in (("full", full), ("delta", delta)):
         for seed, r in v["per_seed"].items():
             lines.append(f"- {mode} seed {seed}: {r['final_accuracy']:.2f}% (B {r['broadcast_final_accuracy']:.2f}%), "
-                         f"{r['up'] / kb:.1f} / {r['down'] / kb:.1f} KB, {r['client_rounds']} client-rounds, "
+                         f"{r['up'] / kb:.1f} / {r['down'] / kb:.1f} KB ({r['down_with_first_download'] / kb:.1f} "
+                         f"with first downloads), {r['client_rounds']} client-rounds, models trained from: "
+                         f"{r['model_via']}, "
                          f"{r['wall_seconds']} s, load {r['load1']}")
     return "\n".join(lines) + "\n"
 

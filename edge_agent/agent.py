@@ -57,6 +57,7 @@ MAX_MODEL_BYTES = 64 * 1024 * 1024
 MAX_MODEL_VALUES = 16 * 1024 * 1024
 MODEL_CACHE = "model.bin"
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
+DOWN_COUNTERS = ("bytes_down", "bytes_down_join")
 RESEND_AFTER = 10.0  # seconds without a receipt before the update goes out again
 
 
@@ -100,8 +101,10 @@ class Agent:
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
-        # model bytes received (manifests, chunks, deltas) not yet reported with an accepted update
-        self.state.data.setdefault("bytes_down", 0)
+        # model bytes received (manifests, chunks, deltas) not yet reported with an accepted update;
+        # "_join": received while the device held no model at all (its first download)
+        for key in DOWN_COUNTERS:
+            self.state.data.setdefault(key, 0)
         threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
         self.profile = {**probe(), "threads": threads, "samples": len(self.data)}
@@ -181,7 +184,20 @@ class Agent:
 
     def _count_down(self, payload: bytes) -> None:
         with self.models_changed:
-            self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)) + len(payload)
+            key = DOWN_COUNTERS[0] if self.models or self.cached else DOWN_COUNTERS[1]
+            self.state.data[key] = int(self.state.data.get(key, 0)) + len(payload)
+
+    def _take_down_counts(self) -> dict[str, int]:
+        """The model bytes received since the last accepted update (reported with the next one)."""
+        with self.models_changed:
+            counts = {key: int(self.state.data.get(key, 0)) for key in DOWN_COUNTERS}
+            self.state.data.update({key: 0 for key in DOWN_COUNTERS})
+        return {key: n for key, n in counts.items() if n or key == DOWN_COUNTERS[0]}
+
+    def _give_back_down_counts(self, counts: dict[str, int]) -> None:
+        with self.models_changed:
+            for key, n in counts.items():
+                self.state.data[key] = int(self.state.data.get(key, 0)) + n
 
     def _on_delta(self, client, version: int, payload: bytes) -> None:  # noqa: ANN001
         with self.models_changed:
@@ -377,9 +393,8 @@ class Agent:
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
         ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
-        with self.models_changed:  # reported once: put back below if the update is not accepted
-            bytes_down, self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)), 0
-        result.metrics["bytes_down"] = bytes_down
+        down = self._take_down_counts()  # reported once: given back below if the update is not accepted
+        result.metrics.update(down)
         # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
         result.metrics["model_sha"] = release.sha256[:16]
         result.metrics["model_via"] = self.arrived_via.get(release.version, "cache")
@@ -402,8 +417,7 @@ class Agent:
         else:
             # the server did not fold it (or we cannot know that it did): the dual stays as it was and
             # all of the delta is still owed
-            with self.models_changed:
-                self.state.data["bytes_down"] = int(self.state.data.get("bytes_down", 0)) + bytes_down
+            self._give_back_down_counts(down)
             self.state.data[algorithm.name] = before
             ef["residual"] = owed(result.delta, old_residual) if encoded.residual is not None else None
         if ef.get("residual") is None:

@@ -21,8 +21,9 @@ not increments: every delta carries them whole, in float32.
 
 Each version's delta B_{v-1} -> B_v is one retained message on
 `topics.model_delta`; the last `chain` of them stay retained and the manifest
-lists them (`ModelRelease.chain`: version and the sha256 of the model it
-applies to). A device holding any of those bases fetches the few deltas that
+lists them (`ModelRelease.chain`: version and the first 16 hex digits of the
+sha256 of the model it applies to: enough to pick a base, since every step and
+the result are checked against full sha256s). A device holding any of those bases fetches the few deltas that
 lead to the newest version and checks the result against the manifest's
 sha256 (which, with the float32 full model, is the sha256 of B's float32
 encoding); a device that is new, further behind, or holds anything else
@@ -49,7 +50,8 @@ MODES = ("full", "delta")
 DEFAULT_MODE = "delta"
 # measured in bench/downlink.py (bench/results/downlink.md): within 0.5 points of a float32 downlink
 DEFAULT_CODEC = "topk0.05+q4c64+zlib"
-DEFAULT_CHAIN = 4
+DEFAULT_CHAIN = 8  # 8 versions: a device restarted after a typical outage still has a chain
+PREFIX = 16  # hex digits of a base's sha256 in the manifest's chain
 MAX_CHAIN = messages.MAX_CHAIN
 Tensors = dict[str, np.ndarray]
 
@@ -138,7 +140,7 @@ class Broadcast:
 
     def manifest_chain(self) -> list[list]:
         """`ModelRelease.chain`: [[version, sha256 of its base], ...], oldest first."""
-        return [[v, self.bases[v]] for v in sorted(self.deltas)]
+        return [[v, self.bases[v][:PREFIX]] for v in sorted(self.deltas)]
 
     def state(self) -> dict:
         return {"version": self.version, "tensors": self.tensors, "deltas": self.deltas, "bases": self.bases}
@@ -163,9 +165,10 @@ def plan(manifest: messages.ModelRelease, held: Mapping[str, bytes]) -> tuple[in
     versions = [entry[0] for entry in manifest.chain]
     if versions != list(range(manifest.version - len(versions) + 1, manifest.version + 1)):
         return None  # not a contiguous run of deltas ending at this version
-    for version, base_sha in reversed(manifest.chain):
-        if base_sha in held:
-            return version, held[base_sha]
+    prefixes = {sha[:PREFIX]: body for sha, body in held.items()}
+    for version, base in reversed(manifest.chain):
+        if base in prefixes:
+            return version, prefixes[base]
     return None
 
 
@@ -185,7 +188,7 @@ class Chain:
         if delta.version not in self.versions:
             raise Rejected("schema", f"delta to version {delta.version} is not in the chain "
                                      f"{self.first}..{self.manifest.version}")
-        if delta.base_sha256 != self.bases.get(delta.version):
+        if delta.base_sha256[:PREFIX] != self.bases.get(delta.version):
             raise Rejected("integrity", f"delta to version {delta.version} applies to another model than "
                                         "the manifest lists")
         self.got[delta.version] = delta

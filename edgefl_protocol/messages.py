@@ -101,8 +101,8 @@ class ModelRelease:
     sha256: str
     chunks: int
     chunk_bytes: int
-    # downlink = "delta": [[v, sha256 of the broadcast model v - 1], ...], one per retained delta
-    # (see `delta_downlink`); a device holding one of those models fetches deltas instead of chunks
+    # downlink = "delta": [[v, first 16 hex digits of the sha256 of broadcast model v - 1], ...], one
+    # per retained delta (see `delta_downlink`); a device holding one of those fetches deltas, not chunks
     chain: list = field(default_factory=list)
 
 
@@ -297,12 +297,12 @@ def _sha256(value: str, what: str) -> str:
 
 def _chain(value: object) -> list:
     if not isinstance(value, list) or len(value) > MAX_CHAIN:
-        raise Rejected("schema", f"model chain must be a list of at most {MAX_CHAIN} [version, sha256] pairs")
+        raise Rejected("schema", f"model chain must be a list of at most {MAX_CHAIN} [version, sha256 prefix] pairs")
     for item in value:
         if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and item[0] >= 1
-                and isinstance(item[1], str)):
-            raise Rejected("schema", "each model chain entry must be [version >= 1, sha256]")
-        _sha256(item[1], "model chain sha256")
+                and isinstance(item[1], str) and len(item[1]) == 16
+                and all(c in "0123456789abcdef" for c in item[1])):
+            raise Rejected("schema", "each model chain entry must be [version >= 1, 16 lower-case hex digits of a sha256]")
     return value
 
 

@@ -138,8 +138,8 @@ def test_malformed_and_oversized_delta_messages_are_rejected_with_a_reason():
         with pytest.raises(Rejected) as exc:
             dd.apply(weights, broken(**change), MAX_VALUES)
         assert exc.value.reason == reason, change
-    manifest = messages.encode("model", downlink.release(1, "a", weights, chain=[[1, "q" * 64]])[0])
-    with pytest.raises(Rejected, match="chain sha256"):
+    manifest = messages.encode("model", downlink.release(1, "a", weights, chain=[[1, "q" * 16]])[0])
+    with pytest.raises(Rejected, match="16 lower-case hex"):
         messages.decode_model(manifest, 10**8)
 
 
@@ -201,7 +201,8 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
     assert client.subscribed == {topics.model_chunks("default", 0)}
     send_chunk(agent, client, 0, full)
     assert client.subscribed == set() and agent.arrived_via[0] == "full"
-    assert agent.state.data["bytes_down"] > len(full)  # counted as received: the manifest and the chunk
+    # counted as received, the manifest and the chunk, as the device's first download
+    assert agent.state.data["bytes_down_join"] > len(full) and agent.state.data["bytes_down"] == 0
     for version in (1, 2):  # the agent holds version - 1: one delta each, no chunks
         server.advance(next(steps), version)
         manifest, full = release(server, version)
@@ -211,6 +212,7 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
         assert client.subscribed == set()
         got = agent._wait_for_model(version, time.time() + 1)
         assert got[1] == full and agent.arrived_via[version] == "delta"
+    assert 0 < agent._take_down_counts()["bytes_down"] < len(full)  # two manifests and two deltas
 
     # a delta that does not reproduce the manifest's model: one line, then the full model
     server.advance(next(steps), 3)
@@ -263,4 +265,5 @@ def test_devices_train_from_delta_reconstructed_models_that_match_the_server(tmp
             assert m["model_via"] == "delta" and m["model_sha"] == server_sha[:16], (r["round"], device, m)
             assert 0 < m["bytes_down"] < 20_000  # a delta and a manifest, not the 19 KB model
         assert r["broadcast_accuracy"] is not None
-    assert rounds[0]["bytes_down"] > 3 * 4 * 4810  # round 1: every device fetched the full model
+    # round 1: every device fetched the full model, its first download
+    assert sum(m["bytes_down_join"] for m in rounds[0]["devices"].values()) > 3 * 4 * 4810
