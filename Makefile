@@ -27,7 +27,7 @@ EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick
+.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick downlink
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -37,6 +37,9 @@ field: setup mosquitto
 
 field-quick: setup mosquitto
 	nice -n 5 $(BIN)/python -m bench.field --quick $(FIELD_ARGS)
+
+downlink: setup mosquitto  # bench/results/downlink.json, downlink.md (float32 vs delta downlink; ~12 minutes a seed)
+	nice -n 10 $(BIN)/python -m bench.downlink $(DOWNLINK_ARGS)
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q

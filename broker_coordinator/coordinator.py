@@ -14,6 +14,16 @@ in time is lost without a reason on one side.
 
 A valid update is still a claim: its weight and its length are bounded by
 what the server has seen (`trust`), and the round folds it robustly (`robust`).
+
+With `downlink = "delta"` there are two models (edgefl_protocol/delta_downlink.py):
+`self.weights` is the global model G, which the server rule updates and which
+is evaluated (`accuracy`), served and checkpointed; `self.broadcast` holds B,
+exactly what devices rebuild from lossy deltas, which they train from and
+their deltas are relative to. G - B is what the downlink still owes; B moves
+towards G once per version, in `_conclude` (so the checkpoint holds both and a
+restart re-derives the same deltas) and, for any other path that makes a
+version, in `_publish_model`. Round records add B's accuracy
+(`broadcast_accuracy`).
 """
 
 from __future__ import annotations
