@@ -155,8 +155,7 @@ class Agent:
                 self._count_down(msg.payload)
                 self._on_delta(client, version, msg.payload)
         except Rejected as exc:
-            if topics.parse_model_delta_topic(msg.topic) is not None or topics.parse_model_topic(msg.topic) is not None \
-                    or topics.parse_model_chunk_topic(msg.topic) is not None:
+            if msg.topic.split("/")[2:3] == ["model"]:
                 self.downlink_rejected[exc.reason] += 1
             log.warning("ignored message on %s: %s", msg.topic, exc)
         except queue.Full:
@@ -164,7 +163,7 @@ class Agent:
 
     def _on_manifest(self, client, release: messages.ModelRelease) -> None:  # noqa: ANN001
         with self.models_changed:
-            if release.version in self.models or release.version in self.assemblies:
+            if release.version in self.models or release.version in self.assemblies or release.version in self.chains:
                 return
             if self.cached and self.cached[0] == release.sha256:  # already have these bytes: no fetch
                 self._ready(release, self.cached[1], "cache")
@@ -200,37 +199,48 @@ class Agent:
                 self.state.data[key] = int(self.state.data.get(key, 0)) + n
 
     def _on_delta(self, client, version: int, payload: bytes) -> None:  # noqa: ANN001
-        with self.models_changed:
-            chain = next((c for c in self.chains.values() if version in c.versions), None)
-        if chain is None:
+        with self.models_changed:  # usually one chain; two when a manifest came before the last chain ended
+            chains = [c for c in self.chains.values() if version in c.versions]
+        if not chains:
             return  # a retained delta we no longer need
         try:
             delta = messages.decode_delta(payload, MAX_MODEL_BYTES)
             if delta.version != version:
                 raise Rejected("schema", f"delta topic says version {version}, message says {delta.version}")
-            with self.models_changed:
-                chain.add(delta)
-                if not chain.complete:
-                    return
-            body = chain.body(MAX_MODEL_VALUES)  # every step's sha256 checked, or Rejected
         except Rejected as exc:
-            self._fetch_full(client, chain, exc)
+            for chain in chains:
+                self._fetch_full(client, chain, exc)
             return
+        for chain in chains:
+            try:
+                with self.models_changed:
+                    chain.add(delta)
+                    if not chain.complete:
+                        continue
+                body = chain.body(MAX_MODEL_VALUES)  # every step's sha256 checked, or Rejected
+            except Rejected as exc:
+                self._fetch_full(client, chain, exc)
+                continue
+            with self.models_changed:
+                if self.chains.pop(chain.manifest.version, None) is not None:
+                    self._ready(chain.manifest, body, "delta")
+            self._unsubscribe_deltas(client, chain)
+
+    def _unsubscribe_deltas(self, client, chain: delta_downlink.Chain) -> None:  # noqa: ANN001
         with self.models_changed:
-            self.chains.pop(chain.manifest.version, None)
-            self._ready(chain.manifest, body, "delta")
-        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions])
+            needed = {v for c in self.chains.values() for v in c.versions}
+        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions if v not in needed])
 
     def _fetch_full(self, client, chain: delta_downlink.Chain, why: Rejected) -> None:  # noqa: ANN001
         """A delta we cannot use: never train on a model the server does not hold; fetch the full one."""
-        log.warning("model version %d: cannot use the deltas from version %d (%s: %s); fetching the full model",
-                    chain.manifest.version, chain.first - 1, why.reason, why.detail)
         self.downlink_rejected[why.reason] += 1
         with self.models_changed:
             if self.chains.pop(chain.manifest.version, None) is None:
                 return  # already given up on
             self.assemblies[chain.manifest.version] = downlink.Assembly(chain.manifest)
-        client.unsubscribe([topics.model_delta(self.fed, v) for v in chain.versions])
+        log.warning("model version %d: cannot use the deltas from version %d (%s: %s); fetching the full model",
+                    chain.manifest.version, chain.first - 1, why.reason, why.detail)
+        self._unsubscribe_deltas(client, chain)
         client.subscribe(topics.model_chunks(self.fed, chain.manifest.version), qos=1)
 
     def _on_chunk(self, client, version: int, index: int, data: bytes) -> None:  # noqa: ANN001

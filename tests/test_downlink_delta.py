@@ -194,7 +194,7 @@ def send_chunk(agent, client, version, body):
 
 def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tmp_path, caplog):
     weights = get_weights(build_model("digits_mlp", 0))
-    server, steps = dd.Broadcast(weights, 0, chain=2), walk(weights, 10)
+    server, steps = dd.Broadcast(weights, 0, chain=2), walk(weights, 12)
     agent, client = make_agent(tmp_path), FakeClient()
     m0, full = release(server, 0)
     send_manifest(agent, client, m0)
@@ -214,34 +214,46 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
         assert got[1] == full and agent.arrived_via[version] == "delta"
     assert 0 < agent._take_down_counts()["bytes_down"] < len(full)  # two manifests and two deltas
 
-    # a delta that does not reproduce the manifest's model: one line, then the full model
+    # two manifests before the first one's delta arrived (a slow link): both chains complete
     server.advance(next(steps), 3)
-    manifest, full = release(server, 3)
-    fields = msgpack.unpackb(server.deltas[3], raw=False)
+    first, _ = release(server, 3)
+    server.advance(next(steps), 4)
+    second, full = release(server, 4)
+    send_manifest(agent, client, first)
+    send_manifest(agent, client, second)
+    assert client.subscribed == {topics.model_delta("default", 3), topics.model_delta("default", 4)}
+    send_delta(agent, client, 3, server.deltas[3])
+    send_delta(agent, client, 4, server.deltas[4])
+    assert agent._wait_for_model(4, time.time() + 1)[1] == full and 3 in agent.models and client.subscribed == set()
+
+    # a delta that does not reproduce the manifest's model: one line, then the full model
+    server.advance(next(steps), 5)
+    manifest, full = release(server, 5)
+    fields = msgpack.unpackb(server.deltas[5], raw=False)
     forged = msgpack.packb({**fields, "sha256": "0" * 64}, use_bin_type=True)
     send_manifest(agent, client, manifest)
     with caplog.at_level("WARNING"):
-        send_delta(agent, client, 3, forged)
-    assert client.subscribed == {topics.model_chunks("default", 3)}
-    assert "model version 3: cannot use the deltas from version 2 (integrity" in caplog.text
-    assert agent._wait_for_model(3, time.time() + 0.2) is None  # never the unverified model
-    send_chunk(agent, client, 3, full)
-    assert agent._wait_for_model(3, time.time() + 1)[1] == full and agent.arrived_via[3] == "full"
+        send_delta(agent, client, 5, forged)
+    assert client.subscribed == {topics.model_chunks("default", 5)}
+    assert "model version 5: cannot use the deltas from version 4 (integrity" in caplog.text
+    assert agent._wait_for_model(5, time.time() + 0.2) is None  # never the unverified model
+    send_chunk(agent, client, 5, full)
+    assert agent._wait_for_model(5, time.time() + 1)[1] == full and agent.arrived_via[5] == "full"
 
     # a malformed delta: counted with its reason, and the full model instead
-    server.advance(next(steps), 4)
-    manifest, full = release(server, 4)
+    server.advance(next(steps), 6)
+    manifest, full = release(server, 6)
     send_manifest(agent, client, manifest)
-    send_delta(agent, client, 4, b"\x92junk")
-    assert client.subscribed == {topics.model_chunks("default", 4)} and agent.downlink_rejected["malformed"] == 1
-    send_chunk(agent, client, 4, full)
+    send_delta(agent, client, 6, b"\x92junk")
+    assert client.subscribed == {topics.model_chunks("default", 6)} and agent.downlink_rejected["malformed"] == 1
+    send_chunk(agent, client, 6, full)
 
     # too far behind (the agent was away for three versions, the chain keeps two): full model
-    for version in (5, 6, 7):
+    for version in (7, 8, 9):
         server.advance(next(steps), version)
-    manifest, full = release(server, 7)
+    manifest, full = release(server, 9)
     send_manifest(agent, client, manifest)
-    assert client.subscribed == {topics.model_chunks("default", 7)}
+    assert client.subscribed == {topics.model_chunks("default", 9)}
 
 
 # --- end to end -----------------------------------------------------------------------
