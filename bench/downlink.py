@@ -84,7 +84,9 @@ def run_stats(record: dict) -> dict:
     rounds = [r for r in record["rounds"] if r["closed"] != "abandoned"]
     participants = sum(r["participants"] for r in rounds)
     accuracy = [100 * r["accuracy"] for r in rounds]
-    broadcast = [100 * r["broadcast_accuracy"] for r in rounds if r.get("broadcast_accuracy") is not None]
+    # "broadcast_accuracy" in runs made before the records named the task's metric
+    broadcast = [100 * r.get("broadcast_score", r.get("broadcast_accuracy")) for r in rounds
+                 if r.get("broadcast_score", r.get("broadcast_accuracy")) is not None]
     return {
         "final_accuracy": round(accuracy[-1], 2),
         "last_accuracy": round(statistics.mean(accuracy[-LAST:]), 2),
