@@ -21,9 +21,11 @@ participants) versions' worth.
 
     python -m bench.downlink                 # seed 1, both modes (about 15 minutes on a loaded host)
     python -m bench.downlink --seeds 1,2
+    python -m bench.downlink --codecs topk0.1+q4c64+zlib   # also delta runs with other codecs
     python -m bench.downlink --report        # rebuild downlink.json/md from the cached runs
 
-Runs are cached in bench/results/downlink_runs/<mode>/seed<N>_r<R>.json.
+Runs are cached in bench/results/downlink_runs/<row>/seed<N>_r<R>.json, row
+"full", "delta" (the default codec) or "delta_<codec>".
 Writes bench/results/downlink.json and downlink.md.
 """
 
@@ -50,8 +52,13 @@ TARGET_BYTES, TARGET_POINTS = 24 * 1024, 0.5
 LAST = 3  # rounds averaged for the "last rounds" accuracy (less noisy than the final round alone)
 
 
-def run_one(mode: str, seed: int, rounds: int) -> dict:
-    path = RUNS / mode / f"seed{seed}_r{rounds}.json"
+def row_name(mode: str, codec: str | None) -> str:
+    return mode if codec is None else f"{mode}_{codec.replace('+', '-')}"
+
+
+def run_one(mode: str, seed: int, rounds: int, codec: str | None = None) -> dict:
+    row = row_name(mode, codec)
+    path = RUNS / row / f"seed{seed}_r{rounds}.json"
     if path.exists():
         return json.loads(path.read_text())
     with tempfile.TemporaryDirectory(prefix="edgefl-downlink-") as tmp:
@@ -60,11 +67,11 @@ def run_one(mode: str, seed: int, rounds: int) -> dict:
                 "--rounds", str(rounds), "--dataset", "mnist5k", "--partition-file", str(PARTITION_FILE),
                 "--clients-per-round", str(PER_ROUND), "--local-epochs", "0", "--round-timeout", str(DEADLINE),
                 "--fleet", FLEET, "--churn", CHURN, "--seed", str(seed), "--federation", f"downlink{seed}",
-                "--downlink", mode, "--out", str(out)]
-        log_path = RUNS / "logs" / f"{mode}_seed{seed}_r{rounds}.log"
+                "--downlink", mode, "--out", str(out)] + (["--downlink-codec", codec] if codec else [])
+        log_path = RUNS / "logs" / f"{row}_seed{seed}_r{rounds}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         started, load_before = time.time(), os.getloadavg()[0]
-        print(f"[{time.strftime('%H:%M:%S')}] downlink {mode} seed {seed}", flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] downlink {row} seed {seed}", flush=True)
         with open(log_path, "w") as log:
             result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=rounds * 120 + 900,
                                     cwd=PROJECT_ROOT)
@@ -111,21 +118,28 @@ def run_stats(record: dict) -> dict:
 
 def report(rounds: int) -> dict:
     from broker_coordinator.round_settings import RoundSettings
-    runs = {mode: {int(p.stem.split("_")[0][4:]): run_stats(json.loads(p.read_text()))
-                   for p in sorted((RUNS / mode).glob(f"seed*_r{rounds}.json"))} for mode in MODES}
+    runs = {row.name: {int(p.stem.split("_")[0][4:]): run_stats(json.loads(p.read_text()))
+                       for p in sorted(row.glob(f"seed*_r{rounds}.json"))}
+            for row in sorted(RUNS.iterdir()) if row.is_dir() and row.name != "logs"}
     seeds = sorted(set(runs["full"]) & set(runs["delta"]))
     if not seeds:
         raise SystemExit("no seed has both a full and a delta run yet")
 
     def summary(mode: str) -> dict:
-        per_seed = [runs[mode][s] for s in seeds]
+        per_seed = [runs[mode][s] for s in seeds if s in runs[mode]]
         keys = ("final_accuracy", "last_accuracy", "best_accuracy", "broadcast_final_accuracy",
                 "broadcast_last_accuracy", "up", "down", "down_with_first_download")
         out = {k: round(statistics.median(r[k] for r in per_seed), 2) for k in keys}
-        out["per_seed"] = {str(s): runs[mode][s] for s in seeds}
+        out["per_seed"] = {str(s): runs[mode][s] for s in seeds if s in runs[mode]}
         return out
 
     full, delta = summary("full"), summary("delta")
+    others = {row[len("delta_"):].replace("-", "+"): summary(row) for row in runs
+              if row.startswith("delta_") and set(runs[row]) & set(seeds)}
+    for codec_name, v in others.items():
+        v["points_lost"] = {k: round(full[k] - v[k], 2) for k in ("final_accuracy", "last_accuracy",
+                                                                  "broadcast_final_accuracy",
+                                                                  "broadcast_last_accuracy")}
     settings = RoundSettings()
     lost = {k: round(full[k] - delta[k], 2) for k in ("final_accuracy", "last_accuracy",
                                                       "broadcast_final_accuracy", "broadcast_last_accuracy")}
@@ -134,6 +148,7 @@ def report(rounds: int) -> dict:
         "bytes_per_client_round": {"up": delta["up"], "down": delta["down"]},
         "float32": full, "delta": delta,
         "points_lost": lost,
+        "other_delta_codecs": others,
         "targets": {"bytes_per_client_round_max": TARGET_BYTES, "bytes_met": total <= TARGET_BYTES,
                     "points_lost_max": TARGET_POINTS,
                     "accuracy_met": max(lost["final_accuracy"], lost["last_accuracy"]) <= TARGET_POINTS},
@@ -169,7 +184,9 @@ def markdown(result: dict) -> str:
         "| final B | last-3 B | best G |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, v in (("float32 (full)", full), (f"delta `{s['downlink_codec']}`, chain {s['downlink_chain']}", delta)):
+    rows = [("float32 (full)", full), (f"delta `{s['downlink_codec']}` (default), chain {s['downlink_chain']}", delta)]
+    rows += [(f"delta `{name}`, chain {s['downlink_chain']}", v) for name, v in result["other_delta_codecs"].items()]
+    for name, v in rows:
         lines.append(f"| {name} | {v['up'] / kb:.1f} | {v['down'] / kb:.1f} | {(v['up'] + v['down']) / kb:.1f} "
                      f"| {v['down_with_first_download'] / kb:.1f} | {v['final_accuracy']:.2f} | {v['last_accuracy']:.2f} | {v['broadcast_final_accuracy']:.2f} "
                      f"| {v['broadcast_last_accuracy']:.2f} | {v['best_accuracy']:.2f} |")
@@ -184,11 +201,19 @@ def markdown(result: dict) -> str:
         f"last-3 {lost['last_accuracy']:+.2f} (target <= {t['points_lost_max']}): "
         f"{'met' if t['accuracy_met'] else '**missed**'}; on the broadcast model: final "
         f"{lost['broadcast_final_accuracy']:+.2f}, last-3 {lost['broadcast_last_accuracy']:+.2f}.",
+    ]
+    for name, v in result["other_delta_codecs"].items():
+        lines.append(f"- delta `{name}`: up + down {(v['up'] + v['down']) / kb:.1f} KB per client-round; points lost "
+                     f"against float32: final {v['points_lost']['final_accuracy']:+.2f}, last-3 "
+                     f"{v['points_lost']['last_accuracy']:+.2f}; on the broadcast model: final "
+                     f"{v['points_lost']['broadcast_final_accuracy']:+.2f}, last-3 "
+                     f"{v['points_lost']['broadcast_last_accuracy']:+.2f} (seeds {','.join(v['per_seed'])}).")
+    lines += [
         "",
         "Per seed (final G accuracy, up / down KB per client-round, wall seconds, load average before/after):",
         "",
     ]
-    for mode, v in (("full", full), ("delta", delta)):
+    for mode, v in [("full", full), ("delta", delta)] + [(f"delta {n}", v) for n, v in result["other_delta_codecs"].items()]:
         for seed, r in v["per_seed"].items():
             lines.append(f"- {mode} seed {seed}: {r['final_accuracy']:.2f}% (B {r['broadcast_final_accuracy']:.2f}%), "
                          f"{r['up'] / kb:.1f} / {r['down'] / kb:.1f} KB ({r['down_with_first_download'] / kb:.1f} "
@@ -202,13 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per run (default {ROUNDS})")
-    parser.add_argument("--only", choices=MODES, default=None, help="run one mode only")
+    parser.add_argument("--only", choices=MODES + ("codecs",), default=None,
+                        help="run one mode only (codecs: only the --codecs runs)")
+    parser.add_argument("--codecs", default="", help="comma-separated: also delta runs with these downlink codecs")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from cached runs")
     args = parser.parse_args(argv)
     if not args.report:
         for seed in [int(s) for s in args.seeds.split(",") if s]:
-            for mode in [args.only] if args.only else MODES:
+            for mode in [args.only] if args.only in MODES else [] if args.only else MODES:
                 run_one(mode, seed, args.rounds)
+            for codec_name in [c for c in args.codecs.split(",") if c]:
+                run_one("delta", seed, args.rounds, codec_name)
     try:
         report(args.rounds)
     except SystemExit as exc:
