@@ -279,3 +279,32 @@ def test_devices_train_from_delta_reconstructed_models_that_match_the_server(tmp
         assert r["broadcast_score"] is not None
     # round 1: every device fetched the full model, its first download
     assert sum(m["bytes_down_join"] for m in rounds[0]["devices"].values()) > 3 * 4 * 4810
+
+
+def test_the_broker_keeps_the_newest_model_and_the_last_chain_of_deltas_only(broker, mqtt_client):
+    """Through a real Mosquitto: after five versions with downlink_chain = 2, a device finds retained
+    exactly the newest manifest and its chunk, and the two newest deltas; older ones were cleared."""
+    from broker_coordinator.broker import COORDINATOR_USER
+    from broker_coordinator.coordinator import Coordinator
+    from tests.conftest import FEDERATION
+    coordinator = Coordinator(FEDERATION, "digits_mlp", datasets.load("digits").test,
+                              RoundSettings(downlink="delta", downlink_chain=2))
+    coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+    try:
+        for version, g in enumerate(walk(dict(coordinator.weights), 5), start=1):
+            coordinator.weights, coordinator.version = g, version
+            coordinator._publish_model(time.time() + 30)
+        device = mqtt_client("dev-a")
+        device.subscribe(f"edgefl/{FEDERATION}/model/#")
+        give_up = time.monotonic() + 10  # retained messages arrive in one burst after the SUBACK
+        while sum(1 for _, payload in device.messages if payload) < 4 and time.monotonic() < give_up:
+            device.received.wait(0.2)
+        device.received.clear()
+        device.received.wait(0.5)  # room for a stale one, which would come in the same burst
+    finally:
+        coordinator.close()
+    retained = {topic for topic, payload in device.messages if payload}
+    assert retained == {topics.model(FEDERATION, 5), topics.model_chunk(FEDERATION, 5, 0),
+                        topics.model_delta(FEDERATION, 4), topics.model_delta(FEDERATION, 5)}
+    manifest = messages.decode_model(dict(device.messages)[topics.model(FEDERATION, 5)], 10**8)
+    assert [v for v, _ in manifest.chain] == [4, 5] and manifest.sha256 == coordinator.broadcast.sha256
