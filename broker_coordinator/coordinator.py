@@ -16,14 +16,17 @@ A valid update is still a claim: its weight and its length are bounded by
 what the server has seen (`trust`), and the round folds it robustly (`robust`).
 
 With `downlink = "delta"` there are two models (edgefl_protocol/delta_downlink.py):
-`self.weights` is the global model G, which the server rule updates and which
-is evaluated (`accuracy`), served and checkpointed; `self.broadcast` holds B,
-exactly what devices rebuild from lossy deltas, which they train from and
-their deltas are relative to. G - B is what the downlink still owes; B moves
-towards G once per version, in `_conclude` (so the checkpoint holds both and a
-restart re-derives the same deltas) and, for any other path that makes a
-version, in `_publish_model`. Round records add B's accuracy
-(`broadcast_score`: the task's metric on B).
+`self.weights` is the global model G, which the server rule updates; `self.broadcast`
+holds B, exactly what devices rebuild from lossy deltas, which they train from
+and their deltas are relative to. G - B is what the downlink still owes (the
+server's error feedback). B is the federation's model: it is evaluated
+(`accuracy`/`score`) and served, because every device holds it bit for bit and
+because G runs ahead of what devices trained from (in bench/downlink.py G
+scored 2-4 points below B). Both are checkpointed (G as `weights`, B with its
+deltas under `downlink`); round records add G's score (`global_score`). B
+moves towards G once per version, in `_conclude` (so the checkpoint holds both
+and a restart re-derives the same deltas) and, for any other path that makes a
+version, in `_publish_model`.
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ class Coordinator(UpdateIntake):
         self.extras: StreamingMean | None = None
         self.max_values = sum(math.prod(shape) for shape in {**self.specs, **self.extra_specs}.values())
         self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)  # the broker's packet limit agrees
-        # downlink = "delta": B, the model devices reconstruct from lossy deltas; self.weights stays the
-        # global model G (evaluated, served, checkpointed), G - B is what the downlink still owes
+        # downlink = "delta": B, the model devices reconstruct from lossy deltas (evaluated and served);
+        # self.weights stays the global model G of the server rule; G - B is what the downlink still owes
         self.broadcast = delta_downlink.Broadcast(self._release_tensors(), 0, settings.downlink_codec,
                                                   settings.downlink_chain) if settings.downlink == "delta" else None
         self._retained_deltas: set[str] = set()  # delta topics retained on the broker
@@ -149,13 +152,13 @@ class Coordinator(UpdateIntake):
         self.server_rule.load_state(ckpt.server_state)
         self.sample_weights.load_state(ckpt.trust.get("weights") or {})
         self.norm_bound.load_state(ckpt.trust.get("norms") or {})
-        self.served.weights = ckpt.served if ckpt.served is not None else dict(self.weights)
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
         if self.broadcast is not None and not self.broadcast.load(ckpt.downlink, self.version):
             # no broadcast state for this version (an older checkpoint, a rollback): B starts as G,
             # and every device fetches the full model once
             self.broadcast = delta_downlink.Broadcast(self._release_tensors(), self.version,
                                                       self.settings.downlink_codec, self.settings.downlink_chain)
+        self.served.weights = ckpt.served if ckpt.served is not None else dict(self._served_from())
         log.warning("resumed from the checkpoint of round %d (model version %d, sha256 %s)",
                     ckpt.round, ckpt.version, ckpt.sha256[:12])
 
@@ -280,6 +283,10 @@ class Coordinator(UpdateIntake):
             progress(len(self.online), count)
 
     # rounds -------------------------------------------------------------------------
+    def _served_from(self) -> dict[str, np.ndarray]:
+        """The federation's model: B with a delta downlink (what every device holds), else G."""
+        return self.weights if self.broadcast is None else {n: self.broadcast.tensors[n] for n in self.weights}
+
     def _release_tensors(self) -> dict[str, np.ndarray]:
         return {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
 
@@ -450,19 +457,19 @@ class Coordinator(UpdateIntake):
             if self.broadcast is not None:  # B follows G at once, so the checkpoint holds both
                 self.broadcast.advance(self._release_tensors(), self.version)
             set_weights(self.model, self.weights)
-            set_weights(self.served_model, self.served.update(self.weights))
+            set_weights(self.served_model, self.served.update(self._served_from()))
         self._set_state(rnd, RoundState.AGGREGATED)
         central = (self.objective.evaluate(self.served_model, self.test_set)
                    if self.evaluate_central and self.test_set is not None else None)
-        broadcast_score = None
-        if central is not None and self.broadcast is not None:  # the model devices hold, beside G
-            held = copy.deepcopy(self.served_model)
-            set_weights(held, {n: self.broadcast.tensors[n] for n in self.weights})
-            broadcast_score = self.objective.evaluate(held, self.test_set).score
+        global_score = None
+        if central is not None and self.broadcast is not None:  # G, which runs ahead of what devices hold
+            ahead = copy.deepcopy(self.served_model)
+            set_weights(ahead, self.weights)
+            global_score = self.objective.evaluate(ahead, self.test_set).score
         self._set_state(rnd, RoundState.EVALUATED)
         closed = ("complete" if rnd.complete else "deadline") if rnd.train else "evaluated"
         record = self._record(rnd, base_sha, model_sha256(self.weights), closed, central)
-        record.broadcast_score = broadcast_score
+        record.global_score = global_score
         if self.store:
             self.store.save_checkpoint(Checkpoint(round_no, self.version, self.arch, self.weights,
                                                   record.model_sha256, self.server_rule.state(), asdict(record),

@@ -149,4 +149,4 @@ class RoundRecord:
     federated: dict[str, Any] = field(default_factory=dict)
     kind: str = "train"  # "train", or "evaluate" for an evaluation-only round
     bytes_down: int = 0  # model bytes the participants report receiving since their last update
-    broadcast_score: float | None = None  # downlink = "delta": `score` of the model devices hold (B), not G
+    global_score: float | None = None  # downlink = "delta": `score` of the server rule's G (`score` is B's)

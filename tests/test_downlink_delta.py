@@ -276,7 +276,7 @@ def test_devices_train_from_delta_reconstructed_models_that_match_the_server(tmp
         for device, m in r["devices"].items():
             assert m["model_via"] == "delta" and m["model_sha"] == server_sha[:16], (r["round"], device, m)
             assert 0 < m["bytes_down"] < 20_000  # a delta and a manifest, not the 19 KB model
-        assert r["broadcast_score"] is not None
+        assert r["global_score"] is not None
     # round 1: every device fetched the full model, its first download
     assert sum(m["bytes_down_join"] for m in rounds[0]["devices"].values()) > 3 * 4 * 4810
 
