@@ -2,16 +2,17 @@
 
 Three models live on the server (numpy float32 throughout):
 
-    G_v  the global model: what the server rule makes of the devices' updates
-         (`new_global`). It is what the coordinator evaluates, serves and
-         checkpoints as `weights`.
+    G_v  the global model of the server rule (`new_global` of the devices'
+         updates); the coordinator checkpoints it as `weights`.
     B_v  the broadcast model: DEFINED as exactly what every device reconstructs,
              B_0 = G_0,   B_v = B_{v-1} + decode(encode(G_v - B_{v-1}))
          with `codec` (lossy, e.g. top-k + 4-bit) and the same numpy float32 ops
          on both sides (`apply`), so server and devices hold bit-identical
          weights, checked by the sha256 of their float32 encoding. Devices
          train from B_v; their deltas are relative to B_v; the server rule adds
-         their mean to G_v.
+         their mean to G_v. B is the federation's model: the coordinator
+         evaluates and serves it (G, which runs ahead of what devices trained
+         from, is scored beside it as `global_score`).
     r_v = G_v - B_v  what the downlink still owes: the server's error feedback.
          It needs no state of its own: the next delta, G_{v+1} - B_v =
          (G_{v+1} - G_v) + r_v, carries whatever the last one left out.
