@@ -34,7 +34,7 @@ between the rows is the downlink; it writes downlink_controlled.json/md and
 caches in downlink_controlled_runs/.
 
 Runs are cached in bench/results/downlink_runs/<row>/seed<N>_r<R>.json, row
-"full", "delta" (the default codec) or "delta_<codec>".
+"full" or "delta_<codec>"; the headline delta row is RoundSettings' downlink_codec.
 Writes bench/results/downlink.json and downlink.md.
 """
 
@@ -65,10 +65,13 @@ LAST = 3  # rounds averaged for the "last rounds" accuracy (less noisy than the 
 
 
 def row_name(mode: str, codec: str | None) -> str:
-    return mode if codec is None else f"{mode}_{codec.replace('+', '-')}"
+    return mode if mode == "full" else f"{mode}_{codec.replace('+', '-')}"
 
 
 def run_one(mode: str, seed: int, rounds: int, codec: str | None = None) -> dict:
+    """One simulate run (cached); a delta run names its codec (default: RoundSettings')."""
+    from broker_coordinator.round_settings import RoundSettings
+    codec = None if mode == "full" else codec or RoundSettings().downlink_codec
     row = row_name(mode, codec)
     path = RUNS / row / f"seed{seed}_r{rounds}.json"
     if path.exists():
@@ -138,9 +141,11 @@ def report(rounds: int) -> dict:
     runs = {row.name: {int(p.stem.split("_")[0][4:]): run_stats(json.loads(p.read_text()))
                        for p in sorted(row.glob(f"seed*_r{rounds}.json"))}
             for row in sorted(RUNS.iterdir()) if row.is_dir() and row.name != "logs"}
-    seeds = sorted(set(runs["full"]) & set(runs["delta"]))
+    settings = RoundSettings()
+    default = row_name("delta", settings.downlink_codec)
+    seeds = sorted(set(runs.get("full", {})) & set(runs.get(default, {})))
     if not seeds:
-        raise SystemExit("no seed has both a full and a delta run yet")
+        raise SystemExit(f"no seed has both a full and a {default} run yet")
 
     def summary(mode: str) -> dict:
         per_seed = [runs[mode][s] for s in seeds if s in runs[mode]]
@@ -150,14 +155,13 @@ def report(rounds: int) -> dict:
         out["per_seed"] = {str(s): runs[mode][s] for s in seeds if s in runs[mode]}
         return out
 
-    full, delta = summary("full"), summary("delta")
+    full, delta = summary("full"), summary(default)
     others = {row[len("delta_"):].replace("-", "+"): summary(row) for row in runs
-              if row.startswith("delta_") and set(runs[row]) & set(seeds)}
+              if row.startswith("delta_") and row != default and set(runs[row]) & set(seeds)}
     for codec_name, v in others.items():
         v["points_lost"] = {k: round(full[k] - v[k], 2) for k in ("final_accuracy", "last_accuracy",
                                                                   "global_final_accuracy",
                                                                   "global_last_accuracy")}
-    settings = RoundSettings()
     lost = {k: round(full[k] - delta[k], 2) for k in ("final_accuracy", "last_accuracy",
                                                       "global_final_accuracy", "global_last_accuracy")}
     total = delta["up"] + delta["down"]
@@ -174,7 +178,9 @@ def report(rounds: int) -> dict:
                     "churn": CHURN, "deadline_s": ROUND_TIMEOUT, "local_epochs": LOCAL_EPOCHS,
                     "algorithm": settings.algorithm,
                     "uplink_codec": settings.codec, "downlink_codec": settings.downlink_codec,
-                    "downlink_chain": settings.downlink_chain, "statistic": "median over seeds"},
+                    "downlink_chain": settings.downlink_chain, "downlink_default": settings.downlink,
+                    "statistic": "median over seeds",
+                    "bytes_per_client_round": f"the delta downlink with {settings.downlink_codec}"},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{STEM}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -205,7 +211,8 @@ def markdown(result: dict) -> str:
         "| final G | last-3 G | best |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = [("float32 (full)", full), (f"delta `{s['downlink_codec']}` (default), chain {s['downlink_chain']}", delta)]
+    rows = [("float32 (full)", full),
+            (f"delta `{s['downlink_codec']}` (the default codec), chain {s['downlink_chain']}", delta)]
     rows += [(f"delta `{name}`, chain {s['downlink_chain']}", v) for name, v in result["other_delta_codecs"].items()]
     for name, v in rows:
         lines.append(f"| {name} | {v['up'] / kb:.1f} | {v['down'] / kb:.1f} | {(v['up'] + v['down']) / kb:.1f} "

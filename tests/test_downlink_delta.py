@@ -145,7 +145,8 @@ def test_malformed_and_oversized_delta_messages_are_rejected_with_a_reason():
 
 def test_settings_are_validated_naming_the_key():
     for change, key in [({"downlink": "lossy"}, "downlink must"), ({"downlink_codec": "q3"}, "downlink_codec"),
-                        ({"downlink_chain": 0}, "downlink_chain"), ({"model_codec": "float16"}, "model_codec")]:
+                        ({"downlink_chain": 0}, "downlink_chain"),
+                        ({"downlink": "delta", "model_codec": "float16"}, "model_codec")]:
         with pytest.raises(ValueError, match=key):
             RoundSettings(**change).validate()
     RoundSettings(downlink="full", model_codec="float16").validate()
