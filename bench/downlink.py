@@ -223,8 +223,8 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         f"- up + down per client-round with deltas: {total:.1f} KB (target <= {t['bytes_per_client_round_max'] / kb:.0f} "
-        f"KB): {'met' if t['bytes_met'] else '**missed**'}; float32 both ways would be about "
-        f"{(full['down'] + 4 * 80_000) / kb:.0f} KB (with the compressed uplink {(full['up'] + full['down']) / kb:.0f} KB); "
+        f"KB): {'met' if t['bytes_met'] else '**missed**'}; with the float32 downlink "
+        f"{(full['up'] + full['down']) / kb:.0f} KB ({full['down'] / max(delta['down'], 1):.0f}x the delta downlink); "
         f"with each device's first download (joining, once) counted in: {(delta['up'] + delta['down_with_first_download']) / kb:.1f} KB.",
         f"- points lost against the float32 downlink (positive: lost): final {lost['final_accuracy']:+.2f}, "
         f"last-3 {lost['last_accuracy']:+.2f} (target <= {t['points_lost_max']}): "
