@@ -147,7 +147,7 @@ def report(rounds: int) -> dict:
     if not seeds:
         raise SystemExit(f"no seed has both a full and a {default} run yet")
 
-    def summary(mode: str) -> dict:
+    def summary(mode: str, seeds: list[int] = seeds) -> dict:
         per_seed = [runs[mode][s] for s in seeds if s in runs[mode]]
         keys = ("final_accuracy", "last_accuracy", "best_accuracy", "global_final_accuracy",
                 "global_last_accuracy", "up", "down", "down_with_first_download")
@@ -155,13 +155,17 @@ def report(rounds: int) -> dict:
         out["per_seed"] = {str(s): runs[mode][s] for s in seeds if s in runs[mode]}
         return out
 
+    def paired(row: str) -> list[int]:
+        return sorted(set(runs[row]) & set(runs["full"]))
+
     full, delta = summary("full"), summary(default)
-    others = {row[len("delta_"):].replace("-", "+"): summary(row) for row in runs
-              if row.startswith("delta_") and row != default and set(runs[row]) & set(seeds)}
-    for codec_name, v in others.items():
-        v["points_lost"] = {k: round(full[k] - v[k], 2) for k in ("final_accuracy", "last_accuracy",
-                                                                  "global_final_accuracy",
-                                                                  "global_last_accuracy")}
+    others = {row[len("delta_"):].replace("-", "+"): summary(row, paired(row)) for row in runs
+              if row.startswith("delta_") and row != default and paired(row)}
+    for codec_name, v in others.items():  # against the float32 runs of the same seeds
+        reference = summary("full", [int(k) for k in v["per_seed"]])
+        v["points_lost"] = {k: round(reference[k] - v[k], 2) for k in ("final_accuracy", "last_accuracy",
+                                                                       "global_final_accuracy",
+                                                                       "global_last_accuracy")}
     lost = {k: round(full[k] - delta[k], 2) for k in ("final_accuracy", "last_accuracy",
                                                       "global_final_accuracy", "global_last_accuracy")}
     total = delta["up"] + delta["down"]
@@ -242,7 +246,8 @@ def markdown(result: dict) -> str:
         "Per seed (final accuracy, up / down KB per client-round, wall seconds, load average before/after):",
         "",
     ]
-    for mode, v in [("full", full), ("delta", delta)] + [(f"delta {n}", v) for n, v in result["other_delta_codecs"].items()]:
+    for mode, v in [("full", full), (f"delta {s['downlink_codec']}", delta)] + [
+            (f"delta {n}", v) for n, v in result["other_delta_codecs"].items()]:
         for seed, r in v["per_seed"].items():
             lines.append(f"- {mode} seed {seed}: {r['final_accuracy']:.2f}% (G {r['global_final_accuracy']:.2f}%), "
                          f"{r['up'] / kb:.1f} / {r['down'] / kb:.1f} KB ({r['down_with_first_download'] / kb:.1f} "
