@@ -186,6 +186,13 @@ def report(rounds: int) -> dict:
                     "statistic": "median over seeds",
                     "bytes_per_client_round": f"the delta downlink with {settings.downlink_codec}"},
     }
+    controlled = RESULTS / "downlink_controlled.json"
+    if STEM == "downlink" and controlled.exists():  # the fairer accuracy comparison, beside the field's
+        c = json.loads(controlled.read_text())
+        result["controlled"] = {key: c[key] for key in ("bytes_per_client_round", "points_lost", "targets", "setting")}
+        result["controlled"]["other_delta_codecs"] = {
+            name: {"up": v["up"], "down": v["down"], "points_lost": v["points_lost"]}
+            for name, v in c["other_delta_codecs"].items()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{STEM}.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / f"{STEM}.md").write_text(markdown(result))
@@ -209,7 +216,9 @@ def markdown(result: dict) -> str:
         "accepted client-round. Devices follow every version, selected or not. Accuracy in % on the "
         "coordinator's 1,000 held-out images of the served model: B, the broadcast model every device holds "
         "(the global model itself with a float32 downlink); G is the server rule's model, which runs ahead of B "
-        f"by what the downlink still owes; \"last {LAST}\" is the mean of the last {LAST} rounds.",
+        f"by what the downlink still owes; \"last {LAST}\" is the mean of the last {LAST} rounds. "
+        + ("With device-chosen epochs the host's load (per seed below) moves accuracy more than the downlink "
+           "does; the controlled line below fixes the work per client-round." if not s["local_epochs"] else ""),
         "",
         "| downlink | up KB | down KB | up + down KB | down KB with first download | final | last-3 "
         "| final G | last-3 G | best |",
@@ -241,6 +250,16 @@ def markdown(result: dict) -> str:
                      f"{v['points_lost']['last_accuracy']:+.2f}; on G: final "
                      f"{v['points_lost']['global_final_accuracy']:+.2f}, last-3 "
                      f"{v['points_lost']['global_last_accuracy']:+.2f} (seeds {','.join(v['per_seed'])}).")
+    if "controlled" in result:
+        c = result["controlled"]
+        lines.append(f"- with the work per client-round fixed (`--controlled`: {c['setting']['local_epochs']} local "
+                     f"epochs, seeds {','.join(map(str, c['setting']['seeds']))}; downlink_controlled.md), which "
+                     f"takes the host's load out of the comparison: `{c['setting']['downlink_codec']}` lost "
+                     f"{c['points_lost']['final_accuracy']:+.2f} (final) and {c['points_lost']['last_accuracy']:+.2f} "
+                     f"(last-3) at {(c['bytes_per_client_round']['up'] + c['bytes_per_client_round']['down']) / kb:.1f} "
+                     "KB; " + "; ".join(f"`{n}` {v['points_lost']['final_accuracy']:+.2f} / "
+                                        f"{v['points_lost']['last_accuracy']:+.2f} at {(v['up'] + v['down']) / kb:.1f} KB"
+                                        for n, v in c["other_delta_codecs"].items()) + ".")
     lines += [
         "",
         "Per seed (final accuracy, up / down KB per client-round, wall seconds, load average before/after):",

@@ -48,9 +48,9 @@ from .errors import Rejected
 
 EXTRA_PREFIX = "extra."  # the server rule's tensors (algorithms.base.EXTRA_PREFIX)
 MODES = ("full", "delta")
-# bench/downlink.py (bench/results/downlink_controlled.md): no delta codec measured stayed within 0.5
-# points of the float32 downlink after 20 rounds (topk0.1: -0.6 to -0.9, topk0.05: -1.6), so the
-# full model stays the default; the uplink's own codec is the closest to float32 accuracy
+# bench/downlink.py (bench/results/downlink_controlled.md, 2 seeds, 20 rounds): no delta codec measured
+# stayed within 0.5 points of the float32 downlink (topk0.1: -1.05 final, -0.67 last 3 rounds; topk0.05:
+# -2.8, -2.4), so the full model stays the default; the uplink's own codec comes closest
 DEFAULT_MODE = "full"
 DEFAULT_CODEC = "topk0.1+q4c64+zlib"
 DEFAULT_CHAIN = 8  # 8 versions: a device restarted after a typical outage still has a chain
