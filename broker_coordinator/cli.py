@@ -120,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
+    sim.add_argument("--mode", choices=["sync", "buffered"], default=defaults.mode,
+                     help="sync: lock-step rounds; buffered: asynchronous FedBuff-style versions, --rounds of them "
+                          "(see broker_coordinator/buffered.py)")
+    sim.add_argument("--buffer-size", type=_bounded(int, 1), default=defaults.buffer_size, metavar="K",
+                     help="buffered: accepted updates per applied version")
+    sim.add_argument("--max-staleness", type=_bounded(int, 0), default=defaults.max_staleness, metavar="S",
+                     help="buffered: accept updates trained up to S versions ago; older ones are dropped")
+    sim.add_argument("--staleness-weight", choices=["inverse_sqrt", "constant"], default=defaults.staleness_weight,
+                     help="buffered: an update s versions old counts 1/sqrt(1+s) (inverse_sqrt) or 1")
     from .fleet import parse_churn, parse_fleet
     sim.add_argument("--fleet", type=_checked_by(parse_fleet), default=None, metavar="CLASS:N,...",
                      help="emulate a mixed fleet, e.g. zero2w:4,pi3:4,pi4:8,pi5:4 (counts add up to --agents): "
@@ -180,7 +189,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                              momentum=args.momentum, round_timeout=args.round_timeout,
                              selection=args.selection, min_updates=args.min_updates,
                              normalize_steps=args.normalize_steps, model_codec=args.model_codec,
-                             serve_average=args.serve_average, hparams=dict(args.hparam))
+                             serve_average=args.serve_average, hparams=dict(args.hparam), mode=args.mode,
+                             buffer_size=args.buffer_size, max_staleness=args.max_staleness,
+                             staleness_weight=args.staleness_weight)
     if args.codec:
         settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))

@@ -265,11 +265,15 @@ class Coordinator(UpdateIntake):
             if not self.session.publish_until(topic, payload, deadline, retain=True):
                 raise RoundFailed(f"could not publish model version {self.version} before the deadline")
         if self._published:  # clear the previous version's retained copies
-            old, count = self._published
-            self.session.publish(topics.model(self.fed, old), b"", qos=1, retain=True)
-            for i in range(count):
-                self.session.publish(topics.model_chunk(self.fed, old, i), b"", qos=1, retain=True)
+            self._clear_release(*self._published)
         self._published = (self.version, len(chunks))
+
+    def _clear_release(self, version: int, chunks: int) -> None:
+        """Remove a model version's retained manifest and chunks from the broker."""
+        assert self.session is not None
+        self.session.publish(topics.model(self.fed, version), b"", qos=1, retain=True)
+        for i in range(chunks):
+            self.session.publish(topics.model_chunk(self.fed, version, i), b"", qos=1, retain=True)
 
     def _set_state(self, rnd: Round, state: RoundState, reason: str = "") -> None:
         rnd.move(state, reason)

@@ -65,10 +65,10 @@ class UpdateIntake:
               judged: tuple[dict, float, int, str] | messages.Refusal, size: int, digest: str) -> None:
         if isinstance(answer, messages.Refusal):
             current.refused[device] = f"{answer.reason}: {answer.detail}"
-            log.warning("%s refused round %d (attempt %d): %s: %s", device, current.number, current.attempt,
+            log.warning("%s refused round %d (attempt %d): %s: %s", device, answer.round, answer.attempt,
                         answer.reason, answer.detail)
             if self.store:
-                self.store.record_device_round(current.number, current.attempt, device, False,
+                self.store.record_device_round(answer.round, answer.attempt, device, False,
                                                f"refused:{answer.reason}", {"detail": answer.detail})
             return
         assert not isinstance(judged, messages.Refusal)
@@ -80,14 +80,14 @@ class UpdateIntake:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
         self.server_rule.observe(device, answer.num_samples, answer.metrics)
         current.answered.add(device)
-        self.accepted[(device, current.number, current.attempt)] = digest
+        self.accepted[(device, answer.round, answer.attempt)] = digest  # the task answered (buffered: not current's)
         current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)
         current.bytes_up += size
         self.last_metrics[device] = dict(answer.metrics)
         self.metrics.accepted.inc()
         self.metrics.bytes_up.inc(size)
         if self.store:
-            self.store.record_device_round(current.number, current.attempt, device, True, None,
+            self.store.record_device_round(answer.round, answer.attempt, device, True, None,
                                            current.device_metrics[device])
 
     def _receipt(self, device: str, answer: tuple[int, int], rejected: Rejected | None) -> None:
@@ -133,7 +133,7 @@ class UpdateIntake:
         None for a resend of an update already accepted in the open round. Raises Rejected."""
         key = (device, answer.round, answer.attempt)
         if key in self.accepted:
-            still_open = current is not None and (current.number, current.attempt) == key[1:]
+            still_open = self._still_open(current, answer.round, answer.attempt)
             if still_open and self.accepted[key] == hashlib.sha256(data).hexdigest():
                 log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
                          device, answer.round, answer.attempt)
@@ -151,6 +151,11 @@ class UpdateIntake:
         if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
         return (delta, *self._weight_and_steps(device, answer))
+
+    def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
+        """Whether an accepted answer to (round, attempt) is still in the open aggregate (a resend of it
+        is answered again, not rejected as a replay)."""
+        return current is not None and (current.number, current.attempt) == (round_no, attempt)
 
     def _check_fresh(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
                      arrived: float) -> None:

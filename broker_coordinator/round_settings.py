@@ -12,7 +12,10 @@ from edgefl_protocol.task_limits import check_training
 
 from .robust import AGGREGATORS
 from .selection import POLICIES
+from .staleness import check_buffered
 from .trust import WEIGHTINGS
+
+MODES = ("sync", "buffered")
 
 
 @dataclass
@@ -44,6 +47,11 @@ class RoundSettings:
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
+    # "sync": lock-step rounds; "buffered": FedBuff-style asynchronous versions (see broker_coordinator/buffered.py)
+    mode: str = "sync"
+    buffer_size: int = 5  # buffered: accepted updates per applied version (FedBuff's K)
+    max_staleness: int = 4  # buffered: accept updates trained up to this many versions ago (S); older are dropped
+    staleness_weight: str = "inverse_sqrt"  # buffered: an update s versions old counts 1/sqrt(1+s), or 1 ("constant")
 
     def validate(self) -> None:
         algorithm = algorithms.get(self.algorithm)
@@ -74,10 +82,13 @@ class RoundSettings:
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
+            (self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.mode == "buffered":
+            check_buffered(self)
         try:  # the ranges every agent enforces: a task they would all refuse is a config error here
             check_training(self.task_hparams(1))
         except Rejected as exc:

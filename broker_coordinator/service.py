@@ -11,6 +11,7 @@ from edgefl_protocol import signing
 from models.datasets import load_npz
 
 from .config import CoordinatorConfig
+from .buffered import coordinator_class
 from .coordinator import Coordinator, RoundFailed, record_dict
 from .metrics import Metrics
 from .report import format_round
@@ -30,9 +31,10 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
     root_set = load_npz(fed.root_data) if fed.root_data else None
-    coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
-                              store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
-                              metrics=metrics, device_keys=keys, root_set=root_set)
+    coordinator = coordinator_class(config.rounds)(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
+                                                   store=Store(config.storage.state_dir,
+                                                               config.storage.keep_checkpoints),
+                                                   metrics=metrics, device_keys=keys, root_set=root_set)
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
