@@ -27,7 +27,7 @@ EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick
+.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick buffered
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -44,6 +44,9 @@ test: setup mosquitto
 # benchmarks too slow for `make test`; each writes its results to bench/results/
 attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)
 	$(BIN)/python -m bench.attacks
+
+buffered: setup mosquitto     # bench/results/buffered.json, .md, .png: sync vs buffered mode (about 15 minutes)
+	nice -n 10 $(BIN)/python -m bench.buffered
 
 fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (about 3 minutes)
 	$(BIN)/python -m bench.fault_drill

@@ -129,6 +129,7 @@ class BufferedCoordinator(Coordinator):
                                   f"({count} of {s.buffer_size} in the buffer, {len(self.working)} tasks out, "
                                   f"{len(self.online)} devices online)")
         self.buffer = None
+        buffer.cohort = buffer.answered | set(buffer.refused)  # a full buffer is complete; tasks out carry over
         self._set_state(buffer, RoundState.CLOSED, self._summary(buffer))
         record = self._conclude(buffer, model_sha256(self.weights))
         self._retire_releases()
