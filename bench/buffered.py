@@ -20,8 +20,8 @@ gives both curves (seconds -> accuracy), the time each run first reached the
 sync run's final accuracy, and the task time per device class measured in the
 runs (the spread the loaded host really gave).
 
-    python -m bench.buffered              # runs what is not cached, then the report
-    python -m bench.buffered --report     # the report from cached runs
+    python -m bench.buffered              # seeds 1,2: runs what is not cached, then the report
+    python -m bench.buffered --seeds 1,2 --report   # the report from cached runs
 
 Runs are cached in bench/results/buffered_runs/.
 """
@@ -100,38 +100,55 @@ def task_seconds(record: dict) -> dict[str, float]:
     return {k: round(1000 * statistics.median(v), 3) for k, v in sorted(by_class.items())}  # ms per sample
 
 
-def report(seed: int) -> dict:
-    runs = {mode: run_one(mode, seed) if (RUNS / f"{mode}_seed{seed}.json").exists() else None for mode in MODES}
-    if any(r is None for r in runs.values()):
-        raise SystemExit(f"missing runs in {RUNS}: run python -m bench.buffered first")
+def seed_result(seed: int) -> dict:
+    runs = {mode: json.loads((RUNS / f"{mode}_seed{seed}.json").read_text()) for mode in MODES}
     curves = {mode: curve(r) for mode, r in runs.items()}
     target = curves["sync"][-1][1]
     reach = {mode: first_reach(points, target) for mode, points in curves.items()}
     sync_end = curves["sync"][-1][0]
-    at_sync_end = max((a for t, a in curves["buffered"] if t <= sync_end), default=None)
     stale = [m.get("staleness", 0) for r in runs["buffered"]["rounds"] for m in r["devices"].values()]
-    dropped = sum(r["rejected"].get("too_stale", 0) for r in runs["buffered"]["rounds"])
     per_sample = {mode: task_seconds(r) for mode, r in runs.items()}
-    result = {
-        "target": "buffered reaches the sync run's final accuracy in less wall-clock time (4x speed spread)",
+    return {
         "sync_final_accuracy": round(target, 2),
         "seconds_to_sync_final": {m: (round(v, 1) if v is not None else None) for m, v in reach.items()},
         "speedup": round(reach["sync"] / reach["buffered"], 2) if reach["buffered"] and reach["sync"] else None,
         "met": reach["buffered"] is not None and reach["sync"] is not None and reach["buffered"] < reach["sync"],
-        "buffered_best_by_sync_end": round(at_sync_end, 2) if at_sync_end is not None else None,
+        "buffered_best_by_sync_end": max((a for t, a in curves["buffered"] if t <= sync_end), default=None),
         "final_accuracy": {m: round(c[-1][1], 2) for m, c in curves.items()},
         "wall_seconds": {m: round(c[-1][0], 1) for m, c in curves.items()},
         "updates": {m: sum(r["participants"] for r in runs[m]["rounds"]) for m in MODES},
         "versions": {m: len(runs[m]["rounds"]) for m in MODES},
         "buffered_staleness": {"median": statistics.median(stale) if stale else None, "max": max(stale, default=None),
-                               "dropped_too_stale": dropped},
+                               "dropped_too_stale": sum(r["rejected"].get("too_stale", 0)
+                                                        for r in runs["buffered"]["rounds"])},
         "ms_per_sample_by_class": per_sample,
+        "measured_spread": {m: round(c["zero2w"] / c["pi4"], 2) for m, c in per_sample.items()
+                            if "zero2w" in c and "pi4" in c},
+        "load1": {m: r.get("load1") for m, r in runs.items()},
+        "commands": {m: r["command"] for m, r in runs.items()},
         "curves": {m: [[round(t, 2), round(a, 2)] for t, a in c] for m, c in curves.items()},
-        "meta": {"seed": seed, "seeds_note": "one seed (the shared 2 cores fit no more)", "fleet": FLEET,
-                 "fleet_cpu": FLEET_CPU, "spread": "zero2w 0.11 vs pi4 0.40: 3.6x", "agents": AGENTS,
-                 "commands": {m: r["command"] for m, r in runs.items()},
-                 "load1": {m: r.get("load1") for m, r in runs.items()},
-                 "buffer_size": BUFFER, "max_staleness": STALENESS, "staleness_weight": "inverse_sqrt"},
+    }
+
+
+def report(seeds: list[int]) -> dict:
+    missing = [f"{m}_seed{s}" for s in seeds for m in MODES if not (RUNS / f"{m}_seed{s}.json").exists()]
+    if missing:
+        raise SystemExit(f"missing runs in {RUNS}: {', '.join(missing)}; run python -m bench.buffered first")
+    per = {str(s): seed_result(s) for s in seeds}
+    speedups = [r["speedup"] for r in per.values() if r["speedup"]]
+    result = {
+        "target": "buffered reaches the sync run's final accuracy in less wall-clock time (4x speed spread)",
+        "met": all(r["met"] for r in per.values()),
+        "speedup_median": statistics.median(speedups) if speedups else None,
+        "seconds_to_sync_final_median": {m: statistics.median(r["seconds_to_sync_final"][m] for r in per.values()
+                                                              if r["seconds_to_sync_final"][m] is not None)
+                                         if any(r["seconds_to_sync_final"][m] for r in per.values()) else None
+                                         for m in MODES},
+        "seeds": per,
+        "meta": {"seeds": seeds, "fleet": FLEET, "fleet_cpu": FLEET_CPU, "agents": AGENTS,
+                 "spread": "zero2w 0.11 vs pi4 0.40: 3.6x nominal", "buffer_size": BUFFER,
+                 "max_staleness": STALENESS, "staleness_weight": "inverse_sqrt", "sync_rounds": SYNC_ROUNDS,
+                 "algorithm": "fedavg", "data": "mnist5k dirichlet:0.3", "local_epochs": 1},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "buffered.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -143,35 +160,38 @@ def report(seed: int) -> dict:
 def markdown(r: dict) -> str:
     def cell(v: float | None) -> str:
         return "not reached" if v is None else f"{v:.1f} s"
-    spread = {m: v for m, v in r["ms_per_sample_by_class"].items()}
+    m = r["meta"]
     lines = [
         "# Buffered asynchronous mode vs synchronous rounds",
         "",
-        f"Measured by `python -m bench.buffered` (seed {r['meta']['seed']} only: {r['meta']['seeds_note']}). "
-        f"FedAvg on MNIST-5k, Dirichlet 0.3 over {r['meta']['agents']} agents, one local epoch per task, fleet "
-        f"`{r['meta']['fleet']}` ({r['meta']['spread']}; `--fleet-cpu {r['meta']['fleet_cpu']}`). Buffered: "
-        f"K = {r['meta']['buffer_size']}, S = {r['meta']['max_staleness']}, weight 1/sqrt(1+s). Clock from all "
-        "agents online.",
+        f"Measured by `python -m bench.buffered` (seeds {', '.join(map(str, m['seeds']))}; the shared 2 cores fit "
+        f"no more). FedAvg on MNIST-5k, Dirichlet 0.3 over {m['agents']} agents, one local epoch per task, fleet "
+        f"`{m['fleet']}` ({m['spread']}; `--fleet-cpu {m['fleet_cpu']}`). Sync: every device every round, "
+        f"{m['sync_rounds']} rounds, each waiting for its slowest device. Buffered: K = {m['buffer_size']}, "
+        f"S = {m['max_staleness']}, weight 1/sqrt(1+s). Clock from all agents online.",
         "",
-        "| mode | versions | updates | wall s | final acc | time to sync's final "
-        f"({r['sync_final_accuracy']:.2f}%) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| seed | mode | versions | updates | wall s | final acc | time to sync's final | measured spread |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for m in ("sync", "buffered"):
-        lines.append(f"| {m} | {r['versions'][m]} | {r['updates'][m]} | {r['wall_seconds'][m]:.0f} | "
-                     f"{r['final_accuracy'][m]:.2f} | {cell(r['seconds_to_sync_final'][m])} |")
-    verdict = "met" if r["met"] else "NOT met"
+    for seed, s in r["seeds"].items():
+        for mode in MODES:
+            lines.append(f"| {seed} | {mode} | {s['versions'][mode]} | {s['updates'][mode]} | "
+                         f"{s['wall_seconds'][mode]:.0f} | {s['final_accuracy'][mode]:.2f} | "
+                         f"{cell(s['seconds_to_sync_final'][mode])} ({s['sync_final_accuracy']:.2f}%) | "
+                         f"{s['measured_spread'].get(mode, '-')}x |")
+    med = r["seconds_to_sync_final_median"]
     lines += [
         "",
-        f"Target (buffered reaches the sync run's final accuracy in less wall-clock time): **{verdict}**"
-        + (f", {r['speedup']}x sooner." if r["speedup"] else "."),
-        f"Best buffered accuracy by the time the sync run ended: {r['buffered_best_by_sync_end']}%.",
-        f"Buffered staleness of folded updates: median {r['buffered_staleness']['median']}, max "
-        f"{r['buffered_staleness']['max']}; dropped as too stale: {r['buffered_staleness']['dropped_too_stale']}.",
+        f"Target (buffered reaches the sync run's final accuracy in less wall-clock time): "
+        f"**{'met' if r['met'] else 'NOT met'}** on {'every seed' if r['met'] else 'not every seed'}; median "
+        f"{med['sync']} s (sync) vs {med['buffered']} s (buffered), {r['speedup_median']}x sooner.",
         "",
-        "Local training time per sample by class (ms, median; the spread the loaded host actually gave): "
-        + "; ".join(f"{m}: " + ", ".join(f"{k} {v}" for k, v in c.items()) for m, c in spread.items()) + ".",
-        f"Load average (1 min) before/after: {r['meta']['load1']}.",
+        "Measured spread: median local training time per sample, zero2w over pi4, in that run (the host's load "
+        "narrows the nominal 3.6x). Staleness of folded updates, and updates dropped as too stale: "
+        + "; ".join(f"seed {seed}: median {s['buffered_staleness']['median']}, max {s['buffered_staleness']['max']}, "
+                    f"dropped {s['buffered_staleness']['dropped_too_stale']}" for seed, s in r["seeds"].items())
+        + ". Load average (1 min) before/after each run: "
+        + "; ".join(f"seed {seed}: {s['load1']}" for seed, s in r["seeds"].items()) + ".",
         "",
     ]
     return "\n".join(lines)
@@ -185,15 +205,20 @@ def plot(r: dict, path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, points in r["curves"].items():
-        ax.plot([t for t, _ in points], [a for _, a in points], marker="o" if mode == "sync" else None,
-                markersize=3, label=mode)
-    ax.axhline(r["sync_final_accuracy"], color="grey", linestyle=":", label="sync final")
+    colors = {"sync": "tab:blue", "buffered": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    for i, (seed, s) in enumerate(r["seeds"].items()):
+        for mode, points in s["curves"].items():
+            ax.plot([t for t, _ in points], [a for _, a in points], color=colors[mode],
+                    linestyle=styles[i % len(styles)], marker="o" if mode == "sync" else None, markersize=3,
+                    label=f"{mode}, seed {seed}")
+        ax.axhline(s["sync_final_accuracy"], color="grey", linestyle=styles[i % len(styles)], linewidth=0.8)
     ax.set_xlabel("wall-clock seconds (all agents online = 0)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"FedAvg, {r['meta']['fleet']} ({r['meta']['spread']})")
+    ax.set_ylim(bottom=50)
+    ax.set_title(f"FedAvg, {r['meta']['fleet']}: sync vs buffered (grey: sync final)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -201,13 +226,15 @@ def plot(r: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", default="1,2", help="comma-separated seeds, e.g. 1,2")
     parser.add_argument("--report", action="store_true", help="rebuild the report from cached runs only")
     args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
     if not args.report:
-        for mode in MODES:
-            run_one(mode, args.seed)
-    r = report(args.seed)
+        for seed in seeds:
+            for mode in MODES:
+                run_one(mode, seed)
+    r = report(seeds)
     print((RESULTS / "buffered.md").read_text())
     return 0 if r["met"] else 1
 
