@@ -14,6 +14,7 @@ import pytest
 
 from broker_coordinator.buffered import BufferedCoordinator, Ticket
 from broker_coordinator.coordinator import RoundSettings
+from broker_coordinator.rounds import RoundState
 from broker_coordinator.staleness import staleness_factor
 from broker_coordinator.store import Store
 from edgefl_protocol import messages
@@ -117,7 +118,7 @@ def test_a_resend_is_answered_while_buffered_and_a_replay_after_the_version_is_a
     c._on_update(buffer, "d1", update, time.time())
     c._on_update(buffer, "d1", update, time.time())  # its receipt was lost: answered again, not folded twice
     assert buffer.aggregate.count == 1 and not c.rejections
-    c._set_state(buffer, buffer.state.__class__("closed"))
+    c._set_state(buffer, RoundState.CLOSED)
     c._conclude(buffer, "")
     c.folded = set()
     later = c._open_buffer(2)
@@ -126,12 +127,38 @@ def test_a_resend_is_answered_while_buffered_and_a_replay_after_the_version_is_a
 
 
 class FakeSession:
+    """Records what the coordinator publishes; the broker acknowledges everything."""
+
     def __init__(self):
-        self.cleared = []
+        self.cleared, self.tasks = [], []
 
     def publish(self, topic, payload, qos=1, retain=False):
         if retain and not payload:
             self.cleared.append(topic)
+
+    def publish_until(self, topic, payload, deadline, retain=False):
+        return True
+
+    def publish_all(self, messages_, deadline, qos=1):
+        self.tasks += [(topic.split("/")[3], messages.decode_task(payload)) for topic, payload in messages_]
+        return []
+
+
+def test_idle_devices_get_one_task_at_a_time_naming_the_current_version(tmp_path):
+    c, buffer = _coordinator(tmp_path, clients_per_round=2)
+    c.session, c._presence_settled = FakeSession(), True
+    c.online = {d: {} for d in DEVICES}
+    c._dispatch(buffer)
+    c._dispatch(buffer)  # nobody is free: no second task, and at most 2 out (clients_per_round)
+    assert len(c.session.tasks) == 2 and len(c.working) == 2
+    first, task = c.session.tasks[0]
+    assert task.model_version == 0 and (task.round, task.attempt) == c.working[first]
+    c._on_update(buffer, first, _answer(c, first, 0, task.attempt, 0.1), time.time())
+    c._dispatch(buffer)  # the answer freed a slot
+    assert len(c.session.tasks) == 3 and len({(t.round, t.attempt) for _, t in c.session.tasks}) == 3
+    # task numbers continue after a restart: an answer to a lost task cannot pass for a new one's
+    again = BufferedCoordinator("u", "digits_mlp", datasets.load("digits").test, c.settings, store=Store(tmp_path))
+    assert again._next_attempt(1) == 4
 
 
 def test_releases_stay_retained_while_tasks_out_need_them(tmp_path):
