@@ -43,6 +43,7 @@ from edgefl_protocol import messages, topics
 from edgefl_protocol.errors import Rejected
 
 from .coordinator import Coordinator, RoundFailed
+from .intake import _clock
 from .robust import RobustRound
 from .round_settings import RoundRecord, RoundSettings
 from .rounds import Round, RoundState
@@ -68,7 +69,8 @@ class Ticket:
 
 class DampedAggregate:
     """A buffer's robust fold, scaled on the way out by sum n_k f(s_k) / sum n_k (FedBuff's damping
-    of stale buffers). Everything else is the wrapped `RobustRound`'s."""
+    of stale buffers), taken over every update folded in, including any the direction gate leaves
+    out. Everything else is the wrapped `RobustRound`'s."""
 
     def __init__(self, robust: RobustRound) -> None:
         self.robust = robust
@@ -226,8 +228,8 @@ class BufferedCoordinator(Coordinator):
         if self.working.get(device) == key:
             del self.working[device]
         if arrived > ticket.deadline:
-            raise Rejected("late", f"task {key[0]}.{key[1]} was due at {time.strftime('%H:%M:%S', time.localtime(ticket.deadline))}, "
-                                   f"the answer arrived {time.strftime('%H:%M:%S', time.localtime(arrived))}")
+            raise Rejected("late", f"task {key[0]}.{key[1]} was due at {_clock(ticket.deadline)}, the answer "
+                                   f"arrived {_clock(arrived)}")
         if isinstance(answer, messages.Refusal):
             return
         if answer.model_version != ticket.version:

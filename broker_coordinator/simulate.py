@@ -163,9 +163,9 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
         cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
-        coordinator = coordinator_class(settings)(spec.federation, data.model, data.test, settings, seed=spec.seed,
-                                              store=Store(run_dir / "coordinator"), metrics=metrics,
-                                              device_keys=keys, on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)))
+        coordinator = coordinator_class(settings)(
+            spec.federation, data.model, data.test, settings, seed=spec.seed, store=Store(run_dir / "coordinator"),
+            metrics=metrics, device_keys=keys, on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)))
         coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         groups, cgroup_procs, classes = setup_fleet(spec, devices, f"edgefl-{spec.federation}-{os.getpid()}", echo)
 
@@ -218,7 +218,7 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,
             "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else [],
-            "mode": settings.mode}
+            "mode": settings.mode}  # buffered: each record is a version, --rounds counts versions
     if settings.mode == "buffered":
         meta.update(buffer_size=settings.buffer_size, max_staleness=settings.max_staleness,
                     staleness_weight=settings.staleness_weight)
