@@ -47,6 +47,11 @@ def check_buffered(settings: RoundSettings) -> None:
                                       "0 accepts only updates trained on the current version)"),
         (settings.staleness_weight in STALENESS_WEIGHTS,
          f"staleness_weight must be one of {', '.join(STALENESS_WEIGHTS)}, got {settings.staleness_weight!r}"),
+        # devices evaluate the version they received: in buffered mode a mix of versions, not one model
+        (settings.evaluate in ("auto", "central"), 'evaluate must be "central" (or "auto" with a test set) in '
+                                                  'buffered mode: devices would each measure a different version'),
+        (settings.eval_only_every == 0, "eval_only_every must be 0 in buffered mode (there are no rounds to "
+                                        "pause for an evaluation)"),
     ]
     for ok, message in checks:
         if not ok:
