@@ -45,7 +45,7 @@ test: setup mosquitto
 attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)
 	$(BIN)/python -m bench.attacks
 
-buffered: setup mosquitto     # bench/results/buffered.json, .md, .png: sync vs buffered mode (about 15 minutes)
+buffered: setup mosquitto     # bench/results/buffered.json, .md, .png: sync vs buffered mode (seeds 1-2, about 25 minutes)
 	nice -n 10 $(BIN)/python -m bench.buffered
 
 fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (about 3 minutes)

@@ -175,11 +175,11 @@ def test_releases_stay_retained_while_tasks_out_need_them(tmp_path):
 
 
 def test_simulate_buffered_applies_versions_from_stale_updates_and_drops_too_stale_ones(tmp_path):
-    """Four agents, K = 1, S = 1: each accepted update is a version, so of the first wave of four
-    answers the second arrives one version late (accepted, weighted 1/sqrt 2) and the rest two late."""
+    """Three agents, K = 1, S = 1: each accepted update is a version, so of the first wave of three
+    answers the second arrives one version late (accepted, weighted 1/sqrt 2) and the third two late."""
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "broker_coordinator", "simulate", "--mode", "buffered",
-                             "--algorithm", "fedavg", "--agents", "4", "--rounds", "6", "--buffer-size", "1",
+                             "--algorithm", "fedavg", "--agents", "3", "--rounds", "6", "--buffer-size", "1",
                              "--max-staleness", "1", "--local-epochs", "1", "--round-timeout", "30",
                              "--dataset", "digits", "--out", str(out)], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
