@@ -51,10 +51,17 @@ def test_buffered_refuses_dual_algorithms_and_says_what_to_choose(algorithm):
 @pytest.mark.parametrize("key,value,says", [("buffer_size", 0, "buffer_size must be >= 1"),
                                             ("max_staleness", -1, "max_staleness must be >= 0"),
                                             ("staleness_weight", "linear", "staleness_weight must be one of"),
-                                            ("mode", "async", "mode must be one of sync, buffered")])
+                                            ("mode", "async", "mode must be one of sync, buffered"),
+                                            ("evaluate", "devices", 'evaluate must be "central"'),
+                                            ("eval_only_every", 3, "eval_only_every must be 0 in buffered")])
 def test_buffered_settings_are_validated_naming_the_key(key, value, says):
     with pytest.raises(ConfigError, match=says):
         build_section(RoundSettings, {"mode": "buffered", "algorithm": "fedavg", key: value}, "c.toml [rounds]")
+
+
+def test_buffered_needs_a_test_set_on_the_coordinator():
+    with pytest.raises(ValueError, match="set \\[federation\\] test_data"):
+        BufferedCoordinator("u", "digits_mlp", None, RoundSettings(algorithm="fedavg", mode="buffered"))
 
 
 def _coordinator(tmp_path, **settings):
