@@ -113,7 +113,7 @@ def seed_result(seed: int) -> dict:
         "seconds_to_sync_final": {m: (round(v, 1) if v is not None else None) for m, v in reach.items()},
         "speedup": round(reach["sync"] / reach["buffered"], 2) if reach["buffered"] and reach["sync"] else None,
         "met": reach["buffered"] is not None and reach["sync"] is not None and reach["buffered"] < reach["sync"],
-        "buffered_best_by_sync_end": max((a for t, a in curves["buffered"] if t <= sync_end), default=None),
+        "buffered_best_by_sync_end": round(max((a for t, a in curves["buffered"] if t <= sync_end), default=float("nan")), 2),
         "final_accuracy": {m: round(c[-1][1], 2) for m, c in curves.items()},
         "wall_seconds": {m: round(c[-1][0], 1) for m, c in curves.items()},
         "updates": {m: sum(r["participants"] for r in runs[m]["rounds"]) for m in MODES},
