@@ -69,6 +69,11 @@ class AgentConfig:
     device: DeviceSettings
     path: Path
 
+    @property
+    def data(self) -> "DataSettings":
+        from .data_sources import DataSettings
+        return DataSettings("npz", self.device.data)
+
 
 def load_config(path: Path | str) -> AgentConfig:
     path = Path(path)
