@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print("then the federation (no central test set: the devices evaluate):")
     print(f"  broker-coordinator simulate --model edgefl_regression_example.model:build --task regression "
-          f"--loss mse --devices-dir {out / 'devices'} --rounds 10 --out {out / 'result'}")
+          f"--loss mse --devices-dir {out / 'devices'} --evaluate devices --codec float16 --round-timeout 4 "
+          f"--rounds 10 --out {out / 'result'}")
     return 0
 
 
