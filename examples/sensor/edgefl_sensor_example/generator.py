@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import basicmotions
-from .model import WINDOW
+from .basicmotions import WINDOW
 
 GAIN = (0.9, 1.1)
 NOISE = 0.05  # of each channel's standard deviation
@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        basicmotions.check_device(args.device, args.devices)  # before the data is read: a typo fails fast
         x, y = basicmotions.load("train")
         share = basicmotions.device_share(y, args.device, args.devices)
         args.spool.mkdir(parents=True, exist_ok=True)

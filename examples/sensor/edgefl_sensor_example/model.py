@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-CHANNELS = 6  # accelerometer x, y, z, gyroscope x, y, z
-WINDOW = 80  # samples per window: 8 s at 10 Hz
-CLASSES = 4
+from .basicmotions import CHANNELS, CLASSES, WINDOW  # the data's shape (numpy only)
 
 
 class MotionCNN(nn.Module):
