@@ -51,11 +51,12 @@ def _package(tmp_path, name: str, hidden: int = 8, body: str = "") -> str:
 
 @pytest.fixture
 def clean_imports():
-    before = set(sys.modules), list(sys.path)
+    """The tests' own packages are forgotten afterwards (and only those: torch and sklearn stay)."""
+    path = list(sys.path)
     yield
-    for name in set(sys.modules) - before[0]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("ownpkg", "sensorpkg", "fppkg", "badmodel")]:
         del sys.modules[name]
-    sys.path[:] = before[1]
+    sys.path[:] = path
     resolve.cache_clear()
 
 
@@ -203,3 +204,47 @@ def test_central_evaluation_without_a_test_set_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match="evaluate must be one of"):
         RoundSettings(evaluate="sometimes").validate()
     assert RoundSettings(evaluate="both").evaluation(True) == (True, True)
+
+
+def _digits_package(root, hidden: int) -> None:
+    """A user package whose installed version decides the hidden width (the same name, another model)."""
+    (root / "ownpkg").mkdir(parents=True)
+    (root / "ownpkg" / "__init__.py").write_text("")
+    (root / "ownpkg" / "model.py").write_text(textwrap.dedent(f"""
+        from torch import nn
+
+        def build():
+            model = nn.Sequential(nn.Linear(64, {hidden}), nn.ReLU(), nn.Linear({hidden}, 10))
+            model.input_shape = (64,)
+            return model
+    """))
+
+
+@pytest.mark.parametrize("agents_have,reason", [(16, "model_mismatch"), (None, "unknown_model")])
+def test_devices_whose_installed_model_differs_refuse_with_one_line(tmp_path, monkeypatch, clean_imports,
+                                                                    agents_have, reason):
+    """Through real agent processes and a real broker: the coordinator's package builds a 32-wide
+    model; the devices have another version of it (or none). Each refuses with one log line and
+    the coordinator records why; nothing crashes and no round is aggregated."""
+    from broker_coordinator.coordinator import RoundFailed, RoundSettings
+    from broker_coordinator.simulate import SimulationSpec, simulate
+    from broker_coordinator.store import Store
+
+    _digits_package(tmp_path / "coordinator-site", 32)
+    sys.path.insert(0, str(tmp_path / "coordinator-site"))
+    if agents_have:
+        _digits_package(tmp_path / "device-site", agents_have)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "device-site"))
+    spec = SimulationSpec(agents=2, rounds=1, dataset="digits", partition="iid", out=tmp_path / "out",
+                          model="ownpkg.model:build")
+    with pytest.raises(RoundFailed, match=reason):
+        simulate(spec, RoundSettings(round_timeout=30, max_attempts=1), echo=lambda line: None)
+    for device in ("dev-000", "dev-001"):
+        log = (tmp_path / "out" / "run" / "devices" / device / "agent.log").read_text()
+        lines = [line for line in log.splitlines() if "refusing the task" in line]
+        assert len(lines) == 1 and reason in lines[0], log
+        assert "Traceback" not in log
+    store = Store(tmp_path / "out" / "run" / "coordinator")
+    rounds = store.rounds()
+    assert [r["closed"] for r in rounds] == ["abandoned"] and "refused the task" in rounds[0]["reason"]
+    assert store.load_checkpoint() is None  # nothing was aggregated
