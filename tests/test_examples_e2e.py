@@ -163,3 +163,35 @@ def test_sensor_generator_refuses_bad_input_in_one_line(tmp_path):
     assert not (tmp_path / "s").exists()
     with pytest.raises(basicmotions.DataMissing, match="line 2: not 6 channels"):
         basicmotions.parse_arff("@data\n'1,2\\n3',Walking\n", "bad.arff")
+
+
+def readme_block(readme: Path, marker: str) -> str:
+    """The README's indented code block that contains `marker`."""
+    blocks, current = [], []
+    for line in readme.read_text().splitlines() + [""]:
+        if line.startswith("    ") or (current and not line.strip()):
+            current.append(line[4:])
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"{readme}: {len(found)} code blocks hold {marker}"
+    return found[0]
+
+
+@pytest.mark.parametrize("example", ["sensor", "regression"])
+def test_readme_configs_for_real_devices_load(tmp_path, example):
+    """The coordinator and agent snippets of each example's README, as an operator would paste them."""
+    require(f"edgefl_{example}_example")
+    from broker_coordinator.config import load_config as load_coordinator
+    from edge_agent.config import load_config as load_agent
+
+    readme = Path(__file__).resolve().parent.parent / "examples" / example / "README.md"
+    coordinator = tmp_path / "coordinator.toml"
+    coordinator.write_text(readme_block(readme, "[federation]") + '\n[broker]\npassword = "p"\n')
+    config = load_coordinator(coordinator)
+    assert config.federation.model == f"edgefl_{example}_example.model:build"
+    agent = tmp_path / "agent.toml"
+    agent.write_text('[broker]\nhost = "h"\nport = 1883\nusername = "d"\npassword = "p"\n'
+                     f'[device]\nid = "d"\nstate_dir = "{tmp_path}"\n' + readme_block(readme, "[data]"))
+    assert load_agent(agent).data.source == ("spool" if example == "sensor" else "csv")
