@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--device {k} --devices {args.devices} &")
     print("then the federation:")
     print(f"  broker-coordinator simulate --model edgefl_sensor_example.model:build --task classification "
-          f"--devices-dir {out / 'devices'} --test-data {out / 'test.npz'} --rounds 10 --round-timeout 4 --out {out / 'result'}")
+          f"--devices-dir {out / 'devices'} --test-data {out / 'test.npz'} --rounds 10 --round-timeout 6 --out {out / 'result'}")
     return 0
 
 
