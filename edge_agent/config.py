@@ -19,7 +19,8 @@
     source = "spool"            # npz | csv | images | spool
     path = "/var/lib/app/spool" # the .npz or .csv file, the image folder, or the spool directory
     label_column = "label"      # csv, and csv files in a spool: the label column; every other column is a feature
-    shape = [3, 128]            # csv/spool: reshape each flat feature row to this per-sample shape ([] = as read)
+    shape = [3, 128]            # csv/spool: reshape flat feature rows to this per-sample shape ([] = as read);
+                                # a spool rejects files of another shape (without it, the first file sets it)
     image_size = [28, 28]       # images: resized to height x width
     channels = 1                # images: 1 = grayscale, 3 = RGB
     window = 5000               # spool: train on the newest N samples
@@ -49,7 +50,7 @@ EDGEFL_AGENT_DATA_WINDOW, ... (a list as "3,128").
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgefl_protocol import signing, topics
@@ -149,7 +150,7 @@ class AgentConfig:
     broker: BrokerSettings
     device: DeviceSettings
     path: Path
-    data: DataSettings = field(default_factory=DataSettings)  # always filled by load_config
+    data: DataSettings  # from [data], or from the legacy [device] data
 
 
 def _data_settings(raw: dict, device: DeviceSettings, path: Path) -> DataSettings:

@@ -18,7 +18,7 @@ What happens to a file once read (`consume`):
   stats the whole directory, so its cost grows with it.
 
 A broken file (truncated, bad zip, NaN, wrong dtype or label type, samples of
-another shape than the spool's first file or [data] shape) is skipped with one
+another shape than [data] shape or, without it, the window's first file) is skipped with one
 logged line and counted in `skipped`; it moves to `rejected/` (in "keep" mode
 the cursor passes it), so it is never retried.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.sources.base import DataError, LocalData, held_out_mask, split
+from edge_agent.sources.base import DataError, LocalData, held_out_mask
 from edge_agent.sources.files import MAX_FILE_BYTES, read_file
 from edgefl_protocol.persist import atomic_write, pack, unpack
 from models.datasets import Dataset
@@ -92,6 +92,8 @@ class SpoolSource:
             self._ingest(name, size, changed)
         self.new_files = len(new)
         self.restored.clear()
+        floor = self.cursor_ns - KEEP_SLACK_NS
+        self.recent = {name: t for name, t in self.recent.items() if t >= floor}
         if new:
             self.cached = None
             self._save()
@@ -99,9 +101,7 @@ class SpoolSource:
             raise DataError(f"spool {self.dir}: no samples yet ({sum(self.skipped.values())} files skipped); "
                             f"waiting for the application to write .npz or .csv files", "empty")
         if self.cached is None:
-            data = Dataset(np.concatenate([b.data.x for b in self.batches]),
-                           np.concatenate([b.data.y for b in self.batches]))
-            self.cached = split(data, np.concatenate([b.held for b in self.batches]))
+            self.cached = LocalData(self._gather(False), self._gather(True))
         if len(self.cached.train) == 0:
             raise DataError(f"spool {self.dir}: all {self.samples} samples so far are held out for evaluation; "
                             f"waiting for more", "empty")
@@ -167,14 +167,28 @@ class SpoolSource:
         if self.label_shape is None:
             self.label_shape = tuple(data.y.shape[1:])
         if data.x.shape[1:] != self.sample_shape:
+            origin = "[data] shape" if self.shape else "set by its first file; pin it with [data] shape"
             raise DataError(f"{path}: samples of shape {data.x.shape[1:]}, but this spool's samples are "
-                            f"{self.sample_shape}", "wrong_shape")
+                            f"{self.sample_shape} ({origin})", "wrong_shape")
         if data.y.shape[1:] != self.label_shape:
             raise DataError(f"{path}: labels of shape {data.y.shape[1:]}, but this spool's labels are "
                             f"{self.label_shape}", "wrong_shape")
         return data
 
     # -- the window -------------------------------------------------------------------------------
+    def _gather(self, held: bool) -> Dataset:
+        """The window's held-out (or training) rows in one array, filled in place: memory is the
+        window plus one copy of it, never a concatenation's extra copies."""
+        first = self.batches[0].data
+        n = sum(int((b.held == held).sum()) for b in self.batches)
+        x, y = np.empty((n, *first.x.shape[1:]), first.x.dtype), np.empty((n, *first.y.shape[1:]), first.y.dtype)
+        at = 0
+        for b in self.batches:
+            rows = np.flatnonzero(b.held == held)
+            x[at:at + len(rows)], y[at:at + len(rows)] = b.data.x[rows], b.data.y[rows]
+            at += len(rows)
+        return Dataset(x, y)
+
     def _add(self, name: str, start: int, data: Dataset) -> None:
         self.batches.append(_Batch(name, start, data, held_out_mask(name, start, len(data), self.holdout)))
         self.samples += len(data)
@@ -227,12 +241,8 @@ class SpoolSource:
     def _save(self) -> None:
         if self.state_path is None:
             return
-        floor = self.cursor_ns - KEEP_SLACK_NS
-        self.recent = {name: t for name, t in self.recent.items() if t >= floor}
         state = {"dir": str(self.dir.resolve()), "consume": self.consume, "cursor_ns": self.cursor_ns,
-                 "recent": self.recent, "sample_shape": list(self.sample_shape or ()),
-                 "label_shape": None if self.label_shape is None else list(self.label_shape),
-                 "window": [[b.name, b.start, len(b.data)] for b in self.batches]}
+                 "recent": self.recent, "window": [[b.name, b.start, len(b.data)] for b in self.batches]}
         try:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.state_path, pack(state))
@@ -249,8 +259,6 @@ class SpoolSource:
                 log.info("spool state %s is for %s; starting with an empty window", self.state_path, state["dir"])
                 return
             self.cursor_ns, self.recent = int(state["cursor_ns"]), dict(state["recent"])
-            self.sample_shape = self.shape or tuple(state["sample_shape"]) or None
-            self.label_shape = None if state["label_shape"] is None else tuple(state["label_shape"])
             window = [(str(name), int(start), int(rows)) for name, start, rows in state["window"]]
         except Exception as exc:  # our own file, but a torn SD card must not stop the agent
             log.error("spool state %s is unreadable (%s); starting with an empty window", self.state_path, exc)
