@@ -95,7 +95,8 @@ def run(checkpoints: list[int], per_round: int, rows: int, window: int, median_r
     process.start()
     times: list[float] = []
     cpu: list[float] = []
-    result = {"read_seconds": [], "read_seconds_p90": [], "read_cpu_seconds": [], "peak_rss_mb": [], "rounds": []}
+    result = {"read_seconds": [], "read_seconds_p90": [], "read_cpu_seconds": [], "peak_rss_mb": [], "rounds": [],
+              "load_average": []}
     started, written = time.perf_counter(), 0
     try:
         for checkpoint in checkpoints:
@@ -112,6 +113,7 @@ def run(checkpoints: list[int], per_round: int, rows: int, window: int, median_r
             result["read_cpu_seconds"].append(statistics.median(cpu[-median_rounds:]))
             result["peak_rss_mb"].append(round(rss_mb(), 1))
             result["rounds"].append(len(times))
+            result["load_average"].append(round(os.getloadavg()[0], 1))
             print(f"{written:>7,} files: read() median {1000 * result['read_seconds'][-1]:.1f} ms, peak RSS "
                   f"{result['peak_rss_mb'][-1]:.0f} MB, window {len(local.train) + len(local.held_out):,} samples "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
@@ -133,12 +135,12 @@ def write_table(path: Path, r: dict) -> None:
              f"(consume = \"{r['consume']}\", window {r['window']:,} samples) reads {r['files_per_round']} new files "
              f"per round. read() is the median of the last {r['rounds_in_median']} rounds before each point; "
              f"RSS is the reader's peak so far.", "",
-             "| files written | rounds | read() per round, median (ms) | p90 (ms) | CPU per read() (ms) | reader peak RSS (MB) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| files written | rounds | read() per round, median (ms) | p90 (ms) | CPU per read() (ms) | reader peak RSS (MB) "
+             "| machine load average |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, files in enumerate(r["files"]):
         lines.append(f"| {files:,} | {r['rounds'][i]} | {1000 * r['read_seconds'][i]:.1f} | "
                      f"{1000 * r['read_seconds_p90'][i]:.1f} | {1000 * r['read_cpu_seconds'][i]:.1f} | "
-                     f"{r['peak_rss_mb'][i]:.0f} |")
+                     f"{r['peak_rss_mb'][i]:.0f} | {r['load_average'][i]} |")
     lines += ["", f"read_seconds[{r['files'][-1]:,}] / read_seconds[{r['files'][0]:,}] = **{r['ratio_last_to_first']:.2f}**"
               f" (target: within 2x). RSS before the first read: {r['rss_before_first_read_mb']:.0f} MB.", "",
               f"Machine: {r['machine']['cores']} cores shared with other jobs, {r['machine']['python']}, spool on "

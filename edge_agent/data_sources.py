@@ -37,7 +37,7 @@ class FileSource:
 
     def __init__(self, kind: str, path: Path, load: Callable[[], Dataset], holdout: float) -> None:
         self.kind, self.path, self.load, self.holdout = kind, path, load, holdout
-        self.skipped: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter()  # stays empty: a broken fixed file is an error, not a skip
         self.data: LocalData | None = None
 
     def read(self) -> LocalData:

@@ -277,6 +277,21 @@ def test_spool_keep_mode_leaves_files_and_a_restart_reads_only_new_ones(tmp_path
     assert ids(restarted.read().train) == set(range(20)) and restarted.new_files == 1
 
 
+@pytest.mark.parametrize("consume", ["move", "delete", "keep"])
+def test_spool_backlog_reads_only_the_newest_window(tmp_path, consume):
+    directory, source = spool_source(tmp_path, consume=consume)
+    for i in range(20):
+        put(directory, f"{i:03}.npz", *batch(10 * i))
+        os.utime(directory / f"{i:03}.npz", ns=(i * 10**9, i * 10**9))  # the writer's order, whatever the clock did
+    (directory / "000.npz").write_bytes(b"broken, but too old to matter")
+    os.utime(directory / "000.npz", ns=(0, 0))
+    assert ids(source.read().train) == set(range(160, 200))
+    assert (source.files_read, source.not_read, sum(source.skipped.values())) == (4, 16, 0)
+    assert source.read().train.x.shape[0] == 40 and source.new_files == 0
+    left = {p.name for p in directory.glob("*.npz")} | {p.name for p in directory.glob("consumed/*.npz")}
+    assert len(left) == {"move": 20, "keep": 20, "delete": 4}[consume]
+
+
 def test_spool_delete_mode_keeps_only_the_windows_files(tmp_path):
     directory, source = spool_source(tmp_path, consume="delete", window=20)
     for i in range(5):

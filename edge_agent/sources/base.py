@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +38,8 @@ class LocalData:
 
 
 class DataSource(Protocol):
+    skipped: Counter[str]  # reason -> files skipped (spool, image folder); logged once each
+
     def read(self) -> LocalData: ...
 
     def describe(self) -> str: ...

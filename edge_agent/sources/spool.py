@@ -4,7 +4,9 @@ The writer puts small `.npz` (x, y) or `.csv` batches in it by atomic rename,
 each under a unique name (write `name.tmp` or `.name`, then rename; names not
 ending in .npz/.csv and dot-files are never touched). Each `read()` (once a
 round) ingests only files it has not seen and keeps the newest `window`
-samples in memory, so memory is bounded by the window, not the history.
+samples in memory, so memory is bounded by the window, not the history. A
+backlog (the agent was down for a week) is read newest first and only as far
+as the window reaches; older files are consumed unread (`not_read`).
 
 What happens to a file once read (`consume`):
 - "move" (default): into `consumed/`. A round lists only what is new, so its
@@ -68,6 +70,7 @@ class SpoolSource:
         self.skipped: Counter[str] = Counter()  # reason -> files skipped
         self.files_read = 0  # good files ingested by this process
         self.new_files = 0  # in the last read
+        self.not_read = 0  # files older than a backlog's newest window, consumed unread
         self.sample_shape: tuple[int, ...] | None = self.shape or None  # x per sample; the first file fixes it
         self.label_shape: tuple[int, ...] | None = None
         self.cursor_ns = 0  # "keep": newest change time read
@@ -87,10 +90,28 @@ class SpoolSource:
             except OSError as exc:
                 raise DataError(f"cannot create {self.consumed} ({exc.strerror}): the agent needs write access to "
                                 f"the spool directory, or set [data] consume = \"keep\"", "permission") from None
-        new = self._list_new()
-        for _, name, size, changed in sorted(new):
-            self._ingest(name, size, changed)
-        self.new_files = len(new)
+        new = sorted(self._list_new())
+        fresh: list[tuple[str, Dataset]] = []
+        rows, unread = 0, 0
+        for index in range(len(new) - 1, -1, -1):  # newest first: a backlog is read only as far as the window
+            if rows >= self.window:
+                unread = index + 1
+                break
+            _, name, size, changed = new[index]
+            data = self._load(name, size, changed)
+            if data is not None:
+                fresh.append((name, data))
+                rows += len(data)
+        for _, name, _, changed in new[:unread]:
+            self._pass_over(name, changed)
+        if unread:
+            log.info("spool %s: %d older files not read: the newest files fill the window of %d samples",
+                     self.dir, unread, self.window)
+        for name, data in reversed(fresh):
+            self._add(name, 0, data)
+            self.files_read += 1
+            self._retire(name)
+        self.new_files, self.not_read = len(new), self.not_read + unread
         self.restored.clear()
         floor = self.cursor_ns - KEEP_SLACK_NS
         self.recent = {name: t for name, t in self.recent.items() if t >= floor}
@@ -135,30 +156,41 @@ class SpoolSource:
                 new.append((stat.st_mtime_ns, name, stat.st_size, stat.st_ctime_ns))
         return new
 
-    def _ingest(self, name: str, size: int, changed: int) -> None:
+    def _load(self, name: str, size: int, changed: int) -> Dataset | None:
+        """The file's samples, or None (skipped with a logged reason, or already in the window)."""
         path = self.dir / name
         if self.consume == "keep":
             self.recent[name] = changed
             self.cursor_ns = max(self.cursor_ns, changed)
         elif name in self.restored:  # a move that a crash interrupted: already in the window
             self._retire(name)
-            return
+            return None
         try:
             if size > MAX_FILE_BYTES:
                 raise DataError(f"{path}: {size >> 20} MB exceeds the {MAX_FILE_BYTES >> 20} MB limit per file",
                                 "oversized")
             data = self._fit(read_file(path, self.task, self.label_column, self.shape), path)
         except DataError as exc:
-            if exc.reason == "missing":  # taken away by someone else since the listing: nothing to read
-                return
-            self._reject(name, exc.reason, str(exc))
-            return
+            if exc.reason != "missing":  # "missing": taken away by someone else since the listing
+                self._reject(name, exc.reason, str(exc))
+            return None
         except Exception as exc:  # a hostile file must never stop the agent
             self._reject(name, "unreadable", f"{path}: {type(exc).__name__}: {exc}")
-            return
-        self._add(name, 0, data)
-        self.files_read += 1
-        self._retire(name)
+            return None
+        return data
+
+    def _pass_over(self, name: str, changed: int) -> None:
+        """A file older than the newest window's worth: never read, consumed as if it had aged out."""
+        if self.consume == "keep":
+            self.recent[name] = changed
+            self.cursor_ns = max(self.cursor_ns, changed)
+        elif self.consume == "move" or name in self.restored:
+            self._retire(name)
+        else:
+            try:
+                (self.dir / name).unlink()
+            except OSError:
+                pass
 
     def _fit(self, data: Dataset, path: Path) -> Dataset:
         """Every file's samples must have the shape of the spool's first (or of [data] shape)."""
