@@ -48,7 +48,7 @@ attacks: setup            # bench/results/attacks.json, attacks.md (about an hou
 fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (about 3 minutes)
 	$(BIN)/python -m bench.fault_drill
 
-spool: setup              # bench/results/spool.json, spool.md (a spool growing to 100,000 files; about 3 minutes)
+spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
 	nice -n 10 $(BIN)/python -m bench.spool
 
 setup: $(VENV)/.installed

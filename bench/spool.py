@@ -1,24 +1,29 @@
 """Spool benchmark (issue 13): does a round's read stay flat as the spool's history grows?
 
-    nice -n 10 .venv/bin/python -m bench.spool          # `make spool`; about 3 minutes on 2 shared cores
+    nice -n 10 .venv/bin/python -m bench.spool          # `make spool`; 3-6 minutes on 2 shared cores
     .venv/bin/python -m bench.spool --files 1000,10000  # a quick look
 
-A writer process plays the device's application: it writes small `.npz`
-batches (20 samples of a (3, 128) float32 sensor window and an int label) into
-a spool directory by atomic rename (`name.tmp`, then rename), and leaves a
-half-written `.tmp` of the next batch in the directory during every read. This
-process is the agent side: the real `open_source(...)` spool source with the
-default settings (consume = "move", window 5,000 samples, holdout 0.2, its
-state saved with fsync after every read), calling `read()` once per round.
-Writer and reader go in lockstep, so every round finds exactly
-`--per-round` (50) new files whatever the load on the machine.
-
-At 1,000 / 10,000 / 100,000 files written in total it records the median
-`read()` time over the last rounds before that point (the window full in
-all of them) and this process's peak RSS so far (ru_maxrss). Writes
-bench/results/spool.json and spool.md (with the reader's CPU time per read,
-which other jobs on the machine disturb less than wall time). The spool is made in the system's
-temporary directory (about 3 GB at 100,000 files) and removed afterwards.
+One spool directory per size (1,000 / 10,000 / 100,000 files), each with a
+writer process and a reader process:
+- the writer plays the device's application: small `.npz` batches (20 samples
+  of a (3, 128) float32 sensor window and an int label) by atomic rename
+  (`name.tmp`, then rename), and a half-written `.tmp` of its next batch left
+  in the directory whenever the reader looks;
+- the reader is the agent side: the real `open_source(...)` spool source with
+  the default settings (consume = "move", window 5,000 samples, holdout 0.2,
+  its state saved with fsync after every read), calling `read()` once per
+  round and reporting the time of that call.
+Writer and reader go in lockstep, so each round finds exactly the new files
+the round was given. Growth: each spool fills to its size at 200 files a
+round, every file read. Measurement: then `--rounds` rounds of `--per-round`
+(50) new files each, taking the spools in turn, so the three sizes are timed
+side by side under the same load from the machine's other jobs (the 2 cores
+here are shared; timing the sizes one after another measured the load, not
+the spool). `read_seconds` is the median `read()` wall time per size, with the
+reader's CPU time beside it; `peak_rss_mb` is each reader process's peak RSS
+(ru_maxrss) at the end. Writes bench/results/spool.json and spool.md. The
+spools live in the system's temporary directory (about 3.5 GB in all) and are
+removed afterwards.
 """
 
 from __future__ import annotations
@@ -41,14 +46,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edge_agent.config import DataSettings  # noqa: E402
-from edge_agent.data_sources import open_source  # noqa: E402
-
 SAMPLE_SHAPE = (3, 128)
+GROW_PER_ROUND = 200  # x 20 samples stays under the window, so growth reads every file
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def writer(directory: str, rows: int, orders) -> None:  # noqa: ANN001 (a multiprocessing Connection)
-    """Write `n` files per order, by atomic rename; then leave the next one half-written, and answer."""
+    """Write `n` files per order by atomic rename, leave the next one half-written, answer the total."""
     rng = np.random.default_rng(0)
     spool, written = Path(directory), 0
     while (n := orders.recv()) > 0:
@@ -65,6 +72,56 @@ def writer(directory: str, rows: int, orders) -> None:  # noqa: ANN001 (a multip
         orders.send(written)
 
 
+def reader(directory: str, state_dir: str, window: int, orders) -> None:  # noqa: ANN001
+    """The agent's side: one `read()` per order, answering its wall and CPU seconds."""
+    from edge_agent.config import DataSettings
+    from edge_agent.data_sources import open_source
+
+    settings = DataSettings(source="spool", path=directory, window=window, state_dir=state_dir)
+    settings.validate()
+    source = open_source(settings, "classification")
+    orders.send(rss_mb())
+    while orders.recv() == "read":
+        begin, begin_cpu = time.perf_counter(), time.process_time()
+        source.read()
+        orders.send((time.perf_counter() - begin, time.process_time() - begin_cpu))
+    orders.send({"peak_rss_mb": round(rss_mb(), 1), "samples": source.samples, "files_read": source.files_read,
+                 "not_read": source.not_read, "skipped": dict(source.skipped)})
+
+
+class Spool:
+    """One spool directory with its writer and reader processes."""
+
+    def __init__(self, work: Path, size: int, rows: int, window: int) -> None:
+        self.size, self.written, self.dir = size, 0, work / f"spool-{size}"
+        self.dir.mkdir(parents=True)
+        context = multiprocessing.get_context("spawn")
+        self.to_writer, theirs = context.Pipe()
+        self.writer = context.Process(target=writer, args=(str(self.dir), rows, theirs), daemon=True)
+        self.to_reader, theirs = context.Pipe()
+        self.reader = context.Process(target=reader, args=(str(self.dir), str(work / f"state-{size}"), window, theirs),
+                                      daemon=True)
+        self.writer.start()
+        self.reader.start()
+        self.rss_start = self.to_reader.recv()
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def round(self, files: int) -> tuple[float, float]:
+        self.to_writer.send(files)
+        self.written = self.to_writer.recv()
+        self.to_reader.send("read")
+        return self.to_reader.recv()
+
+    def stop(self) -> dict:
+        self.to_writer.send(0)
+        self.to_reader.send("stop")
+        summary = self.to_reader.recv()
+        self.writer.join(30)
+        self.reader.join(30)
+        return summary
+
+
 def filesystem(path: Path) -> str:
     """The type of the filesystem holding `path` (longest mount point in /proc/mounts)."""
     best, kind = "", "unknown"
@@ -78,96 +135,78 @@ def filesystem(path: Path) -> str:
     return kind
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def run(checkpoints: list[int], per_round: int, rows: int, window: int, median_rounds: int, work: Path) -> dict:
-    spool = work / "spool"
-    spool.mkdir(parents=True)
-    settings = DataSettings(source="spool", path=str(spool), window=window, state_dir=str(work / "state"))
-    settings.validate()
-    source = open_source(settings, "classification")
-    rss_start = rss_mb()
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    process = context.Process(target=writer, args=(str(spool), rows, theirs), daemon=True)
-    process.start()
-    times: list[float] = []
-    cpu: list[float] = []
-    result = {"read_seconds": [], "read_seconds_p90": [], "read_cpu_seconds": [], "peak_rss_mb": [], "rounds": [],
-              "load_average": []}
-    started, written = time.perf_counter(), 0
+def run(sizes: list[int], per_round: int, rows: int, window: int, rounds: int, work: Path) -> dict:
+    started = time.perf_counter()
+    spools = [Spool(work, size, rows, window) for size in sizes]
     try:
-        for checkpoint in checkpoints:
-            while written < checkpoint:
-                ours.send(min(per_round, checkpoint - written))
-                written = ours.recv()
-                begin, begin_cpu = time.perf_counter(), time.process_time()
-                local = source.read()
-                times.append(time.perf_counter() - begin)
-                cpu.append(time.process_time() - begin_cpu)
-            recent = sorted(times[-median_rounds:])
-            result["read_seconds"].append(statistics.median(recent))
-            result["read_seconds_p90"].append(recent[int(0.9 * (len(recent) - 1))])
-            result["read_cpu_seconds"].append(statistics.median(cpu[-median_rounds:]))
-            result["peak_rss_mb"].append(round(rss_mb(), 1))
-            result["rounds"].append(len(times))
-            result["load_average"].append(round(os.getloadavg()[0], 1))
-            print(f"{written:>7,} files: read() median {1000 * result['read_seconds'][-1]:.1f} ms, peak RSS "
-                  f"{result['peak_rss_mb'][-1]:.0f} MB, window {len(local.train) + len(local.held_out):,} samples "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        for spool in spools:
+            while spool.written < spool.size:
+                spool.round(min(GROW_PER_ROUND, spool.size - spool.written))
+            print(f"{spool.size:>7,} files written and read ({time.perf_counter() - started:.0f} s)", flush=True)
+        grown = time.perf_counter()
+        loads = []
+        for r in range(rounds):
+            for spool in spools[r % len(spools):] + spools[:r % len(spools)]:
+                wall, cpu = spool.round(per_round)
+                spool.wall.append(wall)
+                spool.cpu.append(cpu)
+            loads.append(os.getloadavg()[0])
     finally:
-        ours.send(0)
-        process.join(30)
-    if source.samples != window or sum(source.skipped.values()) or source.files_read != written:
-        raise SystemExit(f"spool misread: {source.samples} samples in window, {source.files_read} of {written} files "
-                         f"read, skipped {dict(source.skipped)}")
-    result.update(rss_before_first_read_mb=round(rss_start, 1), total_seconds=round(time.perf_counter() - started),
-                  filesystem=filesystem(work))
-    return result
+        summaries = [spool.stop() for spool in spools]
+    for spool, summary in zip(spools, summaries):
+        if summary["samples"] != window or summary["skipped"] or summary["files_read"] != spool.written:
+            raise SystemExit(f"spool {spool.size} misread: {summary}")
+    return {
+        "read_seconds": [statistics.median(s.wall) for s in spools],
+        "read_seconds_p90": [sorted(s.wall)[int(0.9 * (len(s.wall) - 1))] for s in spools],
+        "read_cpu_seconds": [statistics.median(s.cpu) for s in spools],
+        "peak_rss_mb": [summary["peak_rss_mb"] for summary in summaries],
+        "rss_before_first_read_mb": [round(s.rss_start, 1) for s in spools],
+        "files_written": [s.written for s in spools],
+        "load_average_while_timed": round(statistics.median(loads), 1),
+        "growth_seconds": round(grown - started), "total_seconds": round(time.perf_counter() - started),
+        "filesystem": filesystem(work)}
 
 
 def write_table(path: Path, r: dict) -> None:
     lines = ["# Spool benchmark", "", f"Command: `{r['command']}`", "",
-             f"A writer process appends {r['samples_per_file']}-sample `.npz` files ({r['sample_shape'][0]}x"
+             f"Writer processes append {r['samples_per_file']}-sample `.npz` files ({r['sample_shape'][0]}x"
              f"{r['sample_shape'][1]} float32 + int label) by atomic rename; the agent's spool source "
-             f"(consume = \"{r['consume']}\", window {r['window']:,} samples) reads {r['files_per_round']} new files "
-             f"per round. read() is the median of the last {r['rounds_in_median']} rounds before each point; "
-             f"RSS is the reader's peak so far.", "",
-             "| files written | rounds | read() per round, median (ms) | p90 (ms) | CPU per read() (ms) | reader peak RSS (MB) "
-             "| machine load average |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"(consume = \"{r['consume']}\", window {r['window']:,} samples, one reader process per spool) "
+             f"read every file as the spools grew, then was timed over {r['rounds']} rounds of "
+             f"{r['files_per_round']} new files per spool, the three spools in turn "
+             f"(machine load average {r['load_average_while_timed']} on {r['machine']['cores']} shared cores).", "",
+             "| files in the spool's history | read() per round, median (ms) | p90 (ms) | reader CPU per read() (ms) "
+             "| reader peak RSS (MB) | reader RSS before the first read (MB) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for i, files in enumerate(r["files"]):
-        lines.append(f"| {files:,} | {r['rounds'][i]} | {1000 * r['read_seconds'][i]:.1f} | "
-                     f"{1000 * r['read_seconds_p90'][i]:.1f} | {1000 * r['read_cpu_seconds'][i]:.1f} | "
-                     f"{r['peak_rss_mb'][i]:.0f} | {r['load_average'][i]} |")
-    lines += ["", f"read_seconds[{r['files'][-1]:,}] / read_seconds[{r['files'][0]:,}] = **{r['ratio_last_to_first']:.2f}**"
-              f" (target: within 2x). RSS before the first read: {r['rss_before_first_read_mb']:.0f} MB.", "",
-              f"Machine: {r['machine']['cores']} cores shared with other jobs, {r['machine']['python']}, spool on "
-              f"{r['filesystem']}; {r['total_seconds']} s in all.", ""]
+        lines.append(f"| {files:,} | {1000 * r['read_seconds'][i]:.1f} | {1000 * r['read_seconds_p90'][i]:.1f} | "
+                     f"{1000 * r['read_cpu_seconds'][i]:.1f} | {r['peak_rss_mb'][i]:.0f} | "
+                     f"{r['rss_before_first_read_mb'][i]:.0f} |")
+    lines += ["", f"read_seconds[{r['files'][-1]:,}] / read_seconds[{r['files'][0]:,}] = "
+              f"**{r['ratio_last_to_first']:.2f}** (target: within 2x).", "",
+              f"Machine: {r['machine']['cores']} cores shared with other jobs, Python {r['machine']['python']}, "
+              f"spools on {r['filesystem']}; growth {r['growth_seconds']} s, {r['total_seconds']} s in all.", ""]
     path.write_text("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--files", default="1000,10000,100000", help="checkpoints: files written in total")
-    parser.add_argument("--per-round", type=int, default=50, help="new files the reader finds each round")
+    parser.add_argument("--files", default="1000,10000,100000", help="spool sizes: files written in total")
+    parser.add_argument("--per-round", type=int, default=50, help="new files each timed round finds")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per spool")
     parser.add_argument("--rows", type=int, default=20, help="samples per file")
     parser.add_argument("--window", type=int, default=5000)
-    parser.add_argument("--median-rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    checkpoints = [int(n) for n in args.files.split(",")]
+    sizes = [int(n) for n in args.files.split(",")]
     with tempfile.TemporaryDirectory(prefix="edgefl-spool-") as tmp:
-        result = run(checkpoints, args.per_round, args.rows, args.window, args.median_rounds, Path(tmp))
-    record = {"files": checkpoints, "read_seconds": result.pop("read_seconds"),
-              "peak_rss_mb": result.pop("peak_rss_mb"),
+        result = run(sizes, args.per_round, args.rows, args.window, args.rounds, Path(tmp))
+    record = {"files": sizes, "read_seconds": result.pop("read_seconds"), "peak_rss_mb": result.pop("peak_rss_mb"),
               "command": "python -m bench.spool" + ("" if args.files == "1000,10000,100000" else f" --files {args.files}"),
-              "window": args.window, "files_per_round": args.per_round, "samples_per_file": args.rows,
-              "sample_shape": list(SAMPLE_SHAPE), "consume": "move", "holdout": 0.2,
-              "rounds_in_median": args.median_rounds, **result,
-              "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                          "load_average_at_end": round(os.getloadavg()[0], 1)}}
+              "window": args.window, "files_per_round": args.per_round, "rounds": args.rounds,
+              "samples_per_file": args.rows, "sample_shape": list(SAMPLE_SHAPE), "consume": "move", "holdout": 0.2,
+              **result, "machine": {"cores": os.cpu_count(), "python": platform.python_version()}}
     record["ratio_last_to_first"] = record["read_seconds"][-1] / record["read_seconds"][0]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spool.json").write_text(json.dumps(record, indent=2) + "\n")
