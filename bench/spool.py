@@ -72,12 +72,12 @@ def writer(directory: str, rows: int, orders) -> None:  # noqa: ANN001 (a multip
         orders.send(written)
 
 
-def reader(directory: str, state_dir: str, window: int, orders) -> None:  # noqa: ANN001
+def reader(directory: str, state_dir: str, window: int, consume: str, orders) -> None:  # noqa: ANN001
     """The agent's side: one `read()` per order, answering its wall and CPU seconds."""
     from edge_agent.config import DataSettings
     from edge_agent.data_sources import open_source
 
-    settings = DataSettings(source="spool", path=directory, window=window, state_dir=state_dir)
+    settings = DataSettings(source="spool", path=directory, window=window, consume=consume, state_dir=state_dir)
     settings.validate()
     source = open_source(settings, "classification")
     orders.send(rss_mb())
@@ -92,14 +92,14 @@ def reader(directory: str, state_dir: str, window: int, orders) -> None:  # noqa
 class Spool:
     """One spool directory with its writer and reader processes."""
 
-    def __init__(self, work: Path, size: int, rows: int, window: int) -> None:
+    def __init__(self, work: Path, size: int, rows: int, window: int, consume: str) -> None:
         self.size, self.written, self.dir = size, 0, work / f"spool-{size}"
         self.dir.mkdir(parents=True)
         context = multiprocessing.get_context("spawn")
         self.to_writer, theirs = context.Pipe()
         self.writer = context.Process(target=writer, args=(str(self.dir), rows, theirs), daemon=True)
         self.to_reader, theirs = context.Pipe()
-        self.reader = context.Process(target=reader, args=(str(self.dir), str(work / f"state-{size}"), window, theirs),
+        self.reader = context.Process(target=reader, args=(str(self.dir), str(work / f"state-{size}"), window, consume, theirs),
                                       daemon=True)
         self.writer.start()
         self.reader.start()
@@ -135,9 +135,9 @@ def filesystem(path: Path) -> str:
     return kind
 
 
-def run(sizes: list[int], per_round: int, rows: int, window: int, rounds: int, work: Path) -> dict:
+def run(sizes: list[int], per_round: int, rows: int, window: int, rounds: int, consume: str, work: Path) -> dict:
     started = time.perf_counter()
-    spools = [Spool(work, size, rows, window) for size in sizes]
+    spools = [Spool(work, size, rows, window, consume) for size in sizes]
     try:
         for spool in spools:
             while spool.written < spool.size:
@@ -197,21 +197,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per spool")
     parser.add_argument("--rows", type=int, default=20, help="samples per file")
     parser.add_argument("--window", type=int, default=5000)
+    parser.add_argument("--consume", default="move", choices=["move", "delete", "keep"],
+                        help="the spool's consume setting; not the default: writes spool_CONSUME.json/.md")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     sizes = [int(n) for n in args.files.split(",")]
     with tempfile.TemporaryDirectory(prefix="edgefl-spool-") as tmp:
-        result = run(sizes, args.per_round, args.rows, args.window, args.rounds, Path(tmp))
+        result = run(sizes, args.per_round, args.rows, args.window, args.rounds, args.consume, Path(tmp))
     record = {"files": sizes, "read_seconds": result.pop("read_seconds"), "peak_rss_mb": result.pop("peak_rss_mb"),
-              "command": "python -m bench.spool" + ("" if args.files == "1000,10000,100000" else f" --files {args.files}"),
+              "command": "python -m bench.spool" + ("" if args.files == "1000,10000,100000" else f" --files {args.files}")
+                         + ("" if args.consume == "move" else f" --consume {args.consume}"),
               "window": args.window, "files_per_round": args.per_round, "rounds": args.rounds,
-              "samples_per_file": args.rows, "sample_shape": list(SAMPLE_SHAPE), "consume": "move", "holdout": 0.2,
+              "samples_per_file": args.rows, "sample_shape": list(SAMPLE_SHAPE), "consume": args.consume, "holdout": 0.2,
               **result, "machine": {"cores": os.cpu_count(), "python": platform.python_version()}}
     record["ratio_last_to_first"] = record["read_seconds"][-1] / record["read_seconds"][0]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "spool.json").write_text(json.dumps(record, indent=2) + "\n")
-    write_table(args.out / "spool.md", record)
-    print(f"wrote {args.out / 'spool.json'} and spool.md; read ratio {record['ratio_last_to_first']:.2f}")
+    name = "spool" if args.consume == "move" else f"spool_{args.consume}"
+    (args.out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_table(args.out / f"{name}.md", record)
+    print(f"wrote {args.out / name}.json and .md; read ratio {record['ratio_last_to_first']:.2f}")
 
 
 if __name__ == "__main__":
