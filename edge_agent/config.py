@@ -31,7 +31,8 @@
 A spool is a directory the device's own application writes small `.npz` (x, y)
 or `.csv` batches into, each under a unique name by atomic rename (write
 `name.tmp` or `.name`, then rename; those are ignored). Each round the agent
-reads only files it has not seen, keeps the newest `window` samples, and skips
+reads only files it has not seen (a backlog newest first, only as far as the
+window reaches), keeps the newest `window` samples, and skips
 a broken file with one logged line (moved to `rejected/` unless consume =
 "keep"). consume = "move" (default) moves read files into `consumed/`, so a
 round lists only new files and restarts find only new ones; "delete" also
