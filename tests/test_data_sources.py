@@ -188,6 +188,16 @@ def test_spool_window_trims_a_file_partly_and_restarts_without_rereading(tmp_pat
     assert not (ids(later.train) & ids(first.held_out))  # held out once, never trained later
 
 
+def test_spool_restart_after_an_interrupted_move_does_not_count_a_file_twice(tmp_path):
+    directory, source = spool_source(tmp_path)
+    put(directory, "a.npz", *batch(0))
+    source.read()
+    os.replace(directory / "consumed" / "a.npz", directory / "a.npz")  # as if the agent died before the move
+    _, restarted = spool_source(tmp_path)
+    assert len(restarted.read().train) == 10 and restarted.files_read == 0
+    assert (directory / "consumed" / "a.npz").exists() and not (directory / "a.npz").exists()
+
+
 def test_spool_holdout_is_stable_per_file_and_row():
     a = held_out_mask("0042.npz", 0, 1000, 0.2)
     assert 150 < a.sum() < 250
