@@ -252,6 +252,7 @@ class SiteWorker(UpdateIntake):
         return rnd
 
     def _on_receipt(self, device: str, payload: bytes) -> None:
+        self.pending_until.pop(device, None)  # answered (to whichever worker): no longer busy with it
         rnd = self.current
         if rnd is None or (rnd.number, rnd.attempt) in self.sent or device not in rnd.cohort:
             return

@@ -4,17 +4,21 @@ workers share a site's updates through `$share` and fold each exactly once."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
+from broker_coordinator.broker import COORDINATOR_USER
 from broker_coordinator.coordinator import Coordinator, RoundSettings
+from broker_coordinator.local_sites import LocalSites
 from broker_coordinator.partials import SiteTask, decode_partial, encode_partial, encode_site_task
 from broker_coordinator.site_aggregator import SiteWorker
 from broker_coordinator.tree import SiteSpec, TreeCoordinator, quotas
-from edgefl_protocol import codec, messages, signing
+from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.transport import connect, make_client
 from models import datasets
 
 FED = "test"
@@ -116,3 +120,90 @@ def test_quotas_split_clients_over_sites_in_proportion():
     assert sum(quotas(1000, {"a": 2500, "b": 2500, "c": 2500, "d": 2499}).values()) == 1000
     assert quotas(0, {"a": 3, "b": 0}) == {"a": 0}
     assert quotas(50, {"a": 3, "b": 4}) == {"a": 3, "b": 4}
+
+
+# over real brokers --------------------------------------------------------------------------------
+class Device:
+    """A device at its site: online status, and per task a signed update (recorded)."""
+
+    def __init__(self, name: str, password: str, port: int, key: bytes, specs: dict) -> None:
+        self.name, self.key, self.specs = name, key, specs
+        self.sent: dict[int, bytes] = {}
+        self.models: list[str] = []
+        self.errors: list[BaseException] = []
+        self.client = make_client(name, name, password)
+        self.client.on_message = self._on_message
+        self.client.will_set(topics.status(FED, name), b"", qos=1, retain=True)
+        connect(self.client, "127.0.0.1", port, timeout=10)
+        self.client.subscribe([(topics.task(FED, name), 1), (topics.models(FED), 1)])
+        self.client.publish(topics.status(FED, name), messages.encode("status", messages.Status(name, "online")),
+                            qos=1, retain=True).wait_for_publish(5)
+
+    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+        try:
+            if topics.parse_model_topic(msg.topic) is not None:
+                self.models.append(msg.topic)
+                return
+            task = messages.decode_task(msg.payload)
+            rng = np.random.default_rng([task.round, int(self.name.split("-")[1]), len(self.name)])
+            payload = signed_update(self.name, self.key, task, self.specs, rng, 50 + 10 * len(self.sent))
+            self.sent[task.round] = payload
+            client.publish(topics.update(FED, self.name), payload, qos=1)
+        except BaseException as exc:  # surfaced by the test
+            self.errors.append(exc)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def test_bridged_sites_run_rounds_and_two_workers_share_a_site(tmp_path, digits):
+    """A central and two site brokers bridged; north has 2 workers on a $share subscription. The
+    rounds' global models equal a flat federation's fold of the same updates; every update is
+    folded by exactly one worker; the model reached the devices through their site broker."""
+    where = {"north": [f"north-{i}" for i in range(4)], "south": ["south-0", "south-1"]}
+    settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", norm_bound=0,
+                             weighting="reported", round_timeout=20, min_updates=1)
+    keys = {d: signing.new_key() for devices in where.values() for d in devices}
+    stop = threading.Event()
+    workers: list[SiteWorker] = []
+    devices: list[Device] = []
+    threads: list[threading.Thread] = []
+    with LocalSites(tmp_path, FED, where, workers=2) as rig:
+        tree = TreeCoordinator(FED, ARCH, digits.test, settings,
+                               sites={s: SiteSpec(2 if s == "north" else 1, rig.site_key(s)) for s in where})
+        flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+        try:
+            tree.connect(rig.central.host, rig.central.port, COORDINATOR_USER, rig.coordinator_password)
+            for site, names in where.items():
+                for index in range(2 if site == "north" else 1):
+                    worker = SiteWorker(FED, site, ARCH, rig.site_key(site), {d: keys[d] for d in names}, index)
+                    worker.connect(rig.brokers[site].host, rig.brokers[site].port, *rig.worker_login(site, index))
+                    workers.append(worker)
+                    threads.append(threading.Thread(target=worker.serve, args=(stop,), daemon=True))
+                    threads[-1].start()
+                devices += [Device(d, rig.passwords[d], rig.brokers[site].port, keys[d], tree.specs) for d in names]
+            tree.wait_for_devices(6, timeout=20)
+            records = [tree.run_round() for _ in range(2)]
+            for r in (1, 2):
+                flat.fold_round({d.name: d.sent[r] for d in devices})
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(5)
+            for worker in workers:
+                worker.close()
+            for device in devices:
+                device.close()
+            tree.close()
+    assert not [e for d in devices for e in d.errors]
+    assert [r.participants for r in records] == [6, 6] and [r.closed for r in records] == ["complete"] * 2
+    assert [r.model_sha256 for r in records] != [r.base_sha256 for r in records]
+    for name in flat.weights:
+        np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
+    north = [w for w in workers if w.site == "north"]
+    folded = [{(d, r) for d, r, _ in w.accepted} for w in north]
+    assert all(folded), "both north workers should have folded a share of the updates"
+    assert not folded[0] & folded[1]
+    assert folded[0] | folded[1] == {(d, r) for d in where["north"] for r in (1, 2)}
+    assert all(f"{topics.ROOT}/{FED}/model/1" in d.models for d in devices), "model version 1 reached every site"
