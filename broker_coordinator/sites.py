@@ -39,6 +39,14 @@ from edgefl_protocol.settings import to_toml
 from .broker import render_acl, render_config
 
 SHARE_GROUP = "edgefl"
+OBSERVED_ROW_BYTES = 512  # a partial's allowance per device row (rules that keep per-device state)
+MAX_SITE_DEVICES = 10_000  # per partial
+
+
+def partial_allowance() -> int:
+    """Bytes a partial may carry beyond an update's cap: its per-device rows. Brokers carrying
+    partials raise their max_packet_size by this much."""
+    return OBSERVED_ROW_BYTES * MAX_SITE_DEVICES
 
 
 @dataclass
@@ -54,6 +62,8 @@ class SiteSettings:
     bridge_tls: str = "auto"  # auto (TLS when the central broker has TLS) | on | off
     bridge_cafile: str = ""  # CA of the central broker's certificate; "" = [broker] tls_ca or tls_cert
     out_dir: str = ""  # where broker-config --site writes; "" = /etc/edgefl/sites/<name>
+    run_as: str = ""  # the site Mosquitto's `user` when started as root; "" = its default (mosquitto),
+    # which must be able to read the written files (they are owned like their directory)
 
     def validate(self) -> None:
         topics.check_name("site", self.name)
@@ -165,8 +175,8 @@ def render_site_acl(federation: str, site: str, workers: int, devices: list[str]
 
 
 def site_broker_conf(site: SiteSettings, passwd: Path, acl: Path, max_packet_size: int, bridge: str,
-                     max_queued_messages: int = 1000, run_as: str | None = None) -> str:
-    return render_config(site.port, passwd, acl, max_packet_size, site.bind or "0.0.0.0", run_as,
+                     max_queued_messages: int = 1000) -> str:
+    return render_config(site.port, passwd, acl, max_packet_size, site.bind or "0.0.0.0", site.run_as or None,
                          max_queued_messages) + bridge
 
 

@@ -35,9 +35,9 @@ from .partials import (SiteTask, TreeSum, all_site_topics, decode_partial, encod
 from .rounds import Round, RoundState
 from .store import model_sha256
 from .site_aggregator import TRUST_RULES
+from .sites import partial_allowance
 
 log = logging.getLogger("broker_coordinator")
-OBSERVED_ROW_BYTES = 512  # allowance per device row in a partial (rules that keep per-device state)
 
 
 def site_margin(round_timeout: float) -> float:
@@ -45,10 +45,10 @@ def site_margin(round_timeout: float) -> float:
     return min(5.0, 0.2 * round_timeout)
 
 
-def partial_cap(update_cap: int, max_devices: int = 10_000) -> int:
+def partial_cap(update_cap: int) -> int:
     """Bytes: the largest partial the coordinator accepts (the sums as float32, like an update's cap,
     plus the per-device rows of a rule that keeps per-device state)."""
-    return update_cap + OBSERVED_ROW_BYTES * max_devices
+    return update_cap + partial_allowance()
 
 
 @dataclass

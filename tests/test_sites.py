@@ -4,6 +4,8 @@ workers share a site's updates through `$share` and fold each exactly once."""
 
 from __future__ import annotations
 
+import getpass
+import subprocess
 import threading
 import time
 
@@ -20,6 +22,8 @@ from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
 from models import datasets
+
+from .conftest import Recorder
 
 FED = "test"
 ARCH = "digits_mlp"
@@ -207,3 +211,76 @@ def test_bridged_sites_run_rounds_and_two_workers_share_a_site(tmp_path, digits)
     assert not folded[0] & folded[1]
     assert folded[0] | folded[1] == {(d, r) for d in where["north"] for r in (1, 2)}
     assert all(f"{topics.ROOT}/{FED}/model/1" in d.models for d in devices), "model version 1 reached every site"
+
+
+def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
+    """`broker-config --site north` against a central broker with TLS: the site's Mosquitto starts
+    from the generated files, its bridge logs in over TLS as site-north; the retained model comes
+    down, a partial goes up; site-south's bridge user can neither read north's task nor write its
+    partials."""
+    from broker_coordinator import devices as ops
+    from broker_coordinator.broker import find_mosquitto, free_port, wait_for_port
+    from broker_coordinator.processes import stop_processes
+    from broker_coordinator.sites import bridge_password, worker_password
+
+    from .operator_fixtures import run_module, start_server, stop_server
+    from .test_enrollment import self_signed
+
+    cert, key = self_signed(tmp_path / "pki")
+    site_port = free_port()
+    extra = (f'tls_cert = "{cert}"\ntls_key = "{key}"\ndevice_port = {free_port()}\n'
+             f'[sites.north]\ndevices = "north-*"\nport = {site_port}\nbind = "127.0.0.1"\n'
+             f'run_as = "{getpass.getuser()}"\n'
+             f'[sites.south]\ndevices = "south-*"\n')
+    server = start_server(tmp_path / "server", extra)
+    site_proc = None
+    clients = []
+    try:
+        server.add("north-0")
+        server.add("south-0")
+        out = tmp_path / "north"
+        done = server.cli("broker-config", "--site", "north", "--out", str(out))
+        assert done.returncode == 0, done.stderr
+        conf = (out / "mosquitto.conf").read_text()
+        assert f"bridge_cafile {out}/central-ca.pem" in conf and "remote_username site-north" in conf
+        assert f"address 127.0.0.1:{server.config.broker.devices_port}" in conf  # the TLS listener
+        assert "north-0:" in (out / "passwd").read_text() and "south-0" not in (out / "passwd").read_text()
+        log = tmp_path / "north.log"
+        with open(log, "wb") as handle:
+            site_proc = subprocess.Popen([find_mosquitto(), "-c", str(out / "mosquitto.conf")], stdout=handle,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for_port(site_port, site_proc, log)
+
+        secret = server.config.broker.password
+        central = Recorder(ops.coordinator_client(server.config, "t"))
+        connect(central.client, "127.0.0.1", server.port, timeout=10)
+        worker = Recorder(make_client("north-aggregator-0", "north-aggregator-0", worker_password(secret, "north")))
+        connect(worker.client, "127.0.0.1", site_port, timeout=10)
+        south = Recorder(make_client("site-south", "site-south", bridge_password(secret, "south")))
+        connect(south.client, "127.0.0.1", server.port, timeout=10)
+        clients += [central, worker, south]
+        central.subscribe(f"edgefl/field/site/+/partial")
+        south.subscribe("edgefl/field/site/north/task")
+        worker.subscribe("edgefl/field/model/#")
+        central.client.publish("edgefl/field/model/7", b"manifest", qos=1, retain=True).wait_for_publish(5)
+        central.client.publish("edgefl/field/site/north/task", b"task", qos=1).wait_for_publish(5)
+        wait_until(lambda: ("edgefl/field/model/7", b"manifest") in worker.messages, 15, "the model at the site")
+        south.client.publish("edgefl/field/site/north/partial", b"forged", qos=1).wait_for_publish(5)
+        worker.client.publish("edgefl/field/site/north/partial", b"partial", qos=1).wait_for_publish(5)
+        wait_until(lambda: central.messages, 10, "the site's partial at the central broker")
+        time.sleep(0.5)
+        assert central.messages == [("edgefl/field/site/north/partial", b"partial")]
+        assert south.messages == []
+    finally:
+        for recorder in clients:
+            recorder.close()
+        if site_proc is not None:
+            stop_processes([site_proc], timeout=10)
+        stop_server(server)
+
+
+def wait_until(predicate, within: float, what: str) -> None:
+    give_up = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        time.sleep(0.1)
