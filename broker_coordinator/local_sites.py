@@ -21,6 +21,8 @@ class LocalSites:
     sites: dict[str, list[str]]  # site -> its device ids
     workers: int = 1  # aggregator workers per site
     sys_interval: int = 0  # > 0: the central broker publishes $SYS counters this often (seconds)
+    central_users_extra: dict[str, str] = field(default_factory=dict)  # more users of the central broker...
+    central_acl_extra: str = ""  # ...and their ACL blocks
     coordinator_password: str = field(default_factory=lambda: secrets.token_urlsafe(18))
     central: PrivateBroker | None = None
     brokers: dict[str, PrivateBroker] = field(default_factory=dict)
@@ -30,8 +32,9 @@ class LocalSites:
         names = sorted(self.sites)
         self.central = PrivateBroker(self.workdir / "central", self.federation,
                                      users={COORDINATOR_USER: self.coordinator_password,
-                                            **central_users(self.coordinator_password, names)},
-                                     extra_acl=render_central_acl(self.federation, names),
+                                            **central_users(self.coordinator_password, names),
+                                            **self.central_users_extra},
+                                     extra_acl=render_central_acl(self.federation, names) + self.central_acl_extra,
                                      extra_conf=f"sys_interval {self.sys_interval}\n" if self.sys_interval else "")
         try:
             self.central.start()

@@ -57,16 +57,16 @@ class SiteSpec:
     key: bytes  # signs the site's partials
 
 
-def quotas(clients: int, eligible: Mapping[str, int]) -> dict[str, int]:
-    """`clients` devices split over sites in proportion to their eligible devices (largest
-    remainder, never more than a site has); 0 = every eligible device everywhere."""
+def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
+    """`clients` devices split over sites in proportion to their devices (largest remainder, never
+    more than a site has); 0 = every eligible device everywhere."""
     if clients == 0:
-        return {site: 0 for site, n in eligible.items() if n > 0}
-    total = sum(eligible.values())
+        return {site: 0 for site, n in devices.items() if n > 0}
+    total = sum(devices.values())
     if total == 0:
         return {}
     clients = min(clients, total)
-    exact = {site: clients * n / total for site, n in eligible.items()}
+    exact = {site: clients * n / total for site, n in devices.items()}
     share = {site: int(x) for site, x in exact.items()}
     for site in sorted(exact, key=lambda s: (share[s] - exact[s], s))[:clients - sum(share.values())]:
         share[site] += 1
@@ -138,7 +138,10 @@ class TreeCoordinator(Coordinator):
         while (self._eligible_devices() < s.min_updates and time.time() < deadline
                and not self.stopping.is_set()):
             self._drain(min(0.5, deadline - time.time()))
-        share = quotas(s.clients_per_round, {site: _count(self.online[site], "eligible") for site in self.eligible()})
+        # in proportion to the sites' online devices: their eligible counts lag (a site reports them at
+        # most once a second, and its devices are busy until their receipts); a site selects at most
+        # the devices it has eligible when its task arrives
+        share = quotas(s.clients_per_round, {site: _count(self.online[site], "online") for site in self.eligible()})
         expected = {f"{site}/{w}" for site in share for w in range(self.sites[site].workers)}
         rnd = self._open_round(round_no, attempt, expected, deadline, self.population())
         rnd.aggregate = TreeSum(self.specs, s.normalize_steps, self.extra_specs)  # type: ignore[assignment]
