@@ -5,7 +5,9 @@ workers share a site's updates through `$share` and fold each exactly once."""
 from __future__ import annotations
 
 import getpass
+import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -223,7 +225,7 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
     from broker_coordinator.processes import stop_processes
     from broker_coordinator.sites import bridge_password, worker_password
 
-    from .operator_fixtures import run_module, start_server, stop_server
+    from .operator_fixtures import PROJECT_ROOT, start_server, stop_server
     from .test_enrollment import self_signed
 
     cert, key = self_signed(tmp_path / "pki")
@@ -234,7 +236,7 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
              f'[sites.south]\ndevices = "south-*"\n')
     server = start_server(tmp_path / "server", extra)
     site_proc = None
-    clients = []
+    clients, processes = [], []
     try:
         server.add("north-0")
         server.add("south-0")
@@ -267,13 +269,27 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
         wait_until(lambda: ("edgefl/field/model/7", b"manifest") in worker.messages, 15, "the model at the site")
         south.client.publish("edgefl/field/site/north/partial", b"forged", qos=1).wait_for_publish(5)
         worker.client.publish("edgefl/field/site/north/partial", b"partial", qos=1).wait_for_publish(5)
-        wait_until(lambda: central.messages, 10, "the site's partial at the central broker")
+        partials = lambda: [m for m in central.messages if m[0].endswith("/partial")]  # noqa: E731
+        wait_until(partials, 10, "the site's partial at the central broker")
         time.sleep(0.5)
-        assert central.messages == [("edgefl/field/site/north/partial", b"partial")]
+        assert partials() == [("edgefl/field/site/north/partial", b"partial")]
         assert south.messages == []
+
+        # the site's aggregator, from the generated config: its presence reaches the coordinator
+        central.subscribe("edgefl/field/site/+/status")
+        aggregator = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "site-aggregator", "--config",
+                                       str(out / "aggregator.toml")], cwd=PROJECT_ROOT,
+                                      env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        processes.append(aggregator)
+        wait_until(lambda: any(t == "edgefl/field/site/north/status" and p for t, p in central.messages), 60,
+                   "the site aggregator's status at the central broker")
+        status = messages.decode_status(next(p for t, p in central.messages if t.endswith("/north/status") and p))
+        assert status.state == "online" and status.profile == {"online": 0, "eligible": 0}
     finally:
         for recorder in clients:
             recorder.close()
+        stop_processes(processes, timeout=10)
         if site_proc is not None:
             stop_processes([site_proc], timeout=10)
         stop_server(server)
