@@ -298,7 +298,7 @@ def report(flat: dict, tree: dict, args: argparse.Namespace, seconds: float) -> 
 
 
 def markdown(out: dict) -> str:
-    c, r = out["central_bytes_per_round"], out["round_seconds"]
+    r = out["round_seconds"]
     cpu = out["coordinator_cpu_s_per_update"]
     lines = ["# Scale: flat against sites (bench/scale.py)", "",
              f"{out['devices']} emulated devices, {out['participants']} per round, {out['sites']} sites, "

@@ -143,7 +143,7 @@ def render_bridge(federation: str, site: str, central_host: str, central_port: i
     base = f"{topics.ROOT}/{federation}"
     lines = [
         "",
-        f"# bridge to the central broker: the model and this site's task in, its partials and status out",
+        "# bridge to the central broker: the model and this site's task in, its partials and status out",
         f"connection edgefl-{site}",
         f"address {central_host}:{central_port}",
         f"remote_username {bridge_user(site)}",

@@ -17,7 +17,7 @@ import pytest
 from broker_coordinator.broker import COORDINATOR_USER
 from broker_coordinator.coordinator import Coordinator, RoundSettings
 from broker_coordinator.local_sites import LocalSites
-from broker_coordinator.partials import SiteTask, decode_partial, encode_partial, encode_site_task
+from broker_coordinator.partials import SiteTask, decode_partial, encode_partial
 from broker_coordinator.site_aggregator import SiteWorker
 from broker_coordinator.tree import SiteSpec, TreeCoordinator, quotas
 from edgefl_protocol import codec, messages, signing, topics
@@ -115,6 +115,14 @@ def test_partials_are_validated_like_updates(digits):
         decode_partial(encode_partial(good, key), key, "north", tree.specs, {}, cap)
     with pytest.raises(Rejected, match="oversized"):
         decode_partial(b"x" * 100, key, "north", tree.specs, {}, 50)
+    # junk from the site broker is logged, never served
+    worker._handle("edgefl/test/site/north/task", b"\x00junk", time.time(), False)
+    worker._handle("edgefl/test/site/north/cohort", b"\x92\x01", time.time(), False)
+    assert worker.current is None and not worker.sent  # nothing opened, nothing sent
+    # a partial from a site the config does not know is rejected with its reason
+    tree.inbox.put(("edgefl/test/site/west/partial", b"x", time.time(), False))
+    tree._drain(0.1)
+    assert tree.rejections["unknown_site"] == 1
     # a stale partial is logged and counted, never folded
     rnd_tree = tree._open_round(2, 1, {"north/0"}, time.time() + 60, 1)
     tree._on_partial(rnd_tree, "north", encode_partial(worker.partial(rnd), key))
@@ -261,7 +269,7 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
         south = Recorder(make_client("site-south", "site-south", bridge_password(secret, "south")))
         connect(south.client, "127.0.0.1", server.port, timeout=10)
         clients += [central, worker, south]
-        central.subscribe(f"edgefl/field/site/+/partial")
+        central.subscribe("edgefl/field/site/+/partial")
         south.subscribe("edgefl/field/site/north/task")
         worker.subscribe("edgefl/field/model/#")
         central.client.publish("edgefl/field/model/7", b"manifest", qos=1, retain=True).wait_for_publish(5)
