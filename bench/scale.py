@@ -12,6 +12,7 @@ own process, so that its CPU time and RSS are its own.
 
     python -m bench.scale                      # 10,000 devices, 4 sites, 1,000 per round; tree also at 10,000
     python -m bench.scale --quick              # 2,000 devices, 200 per round (a few minutes)
+    python -m bench.scale --report             # rebuild scale.json / .md (bytes_per_client_round) from the last run
 
 Both topologies fold with aggregator "mean" (the tree refuses the others, see
 broker_coordinator/site_aggregator.py) and algorithm fedavg, whose server rule keeps no
@@ -352,7 +353,17 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="round timeout, seconds")
     parser.add_argument("--quick", action="store_true", help="2,000 devices, 200 per round, tree also at 2,000")
     parser.add_argument("--out", default="scale")
+    parser.add_argument("--report", action="store_true",
+                        help="rewrite scale.json and .md from the last run (e.g. once downlink.json exists)")
     args = parser.parse_args()
+    if args.report:
+        path = RESULTS / f"{args.out}.json"
+        out = json.loads(path.read_text())
+        out["bytes_per_client_round"], out["bytes_per_client_round_note"] = bytes_per_client_round()
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        (RESULTS / f"{args.out}.md").write_text(markdown(out))
+        print(markdown(out))
+        return 0
     if args.quick:
         args.devices, args.participants, args.tree_participants, args.rounds = 2000, 200, "200,2000", 2
     tree_participants = [int(p) for p in args.tree_participants.split(",")]
