@@ -10,7 +10,7 @@ extra tensors, a summary of the devices' metrics, and the rejections by reason. 
 depend on how many devices answered, except for `observed`: the per-device signals a server rule
 that keeps per-device state (e.g. dynsam's medians) needs; it is empty for rules that keep none.
 
-    edgefl/<fed>/site/<site>/task        coordinator -> site (retained at the site by the bridge)
+    edgefl/<fed>/site/<site>/task        coordinator -> site (queued for the bridge's session while it is down)
     edgefl/<fed>/site/<site>/status      site -> coordinator, retained: devices online and eligible
     edgefl/<fed>/site/<site>/partial     site -> coordinator: one per worker per round attempt
     edgefl/<fed>/site/<site>/cohort      site-local, retained: the devices the site tasked

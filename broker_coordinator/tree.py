@@ -9,8 +9,8 @@ The round closes when all partials are in, or at its deadline with a quorum of d
 rule, evaluation, checkpoint. What crosses the central broker per round does not grow with the
 number of devices: a site task and a partial per worker (see `partials`).
 
-The sites close their share `SITE_MARGIN` before the round's deadline (the device tasks name
-that earlier deadline), so that their partials are up in time.
+The sites close their share `site_margin` seconds before the round's deadline (the device tasks
+name that earlier deadline), so that their partials are up in time.
 
 Supported only with aggregator "mean": see `site_aggregator` for why, and for where the trust
 bounds apply.
