@@ -31,6 +31,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -64,9 +65,41 @@ def share_topic(group: str, topic: str) -> str:
     return f"$share/{group}/{topic}"
 
 
-def observes_devices(rule: ServerRule) -> bool:
-    """Does the server rule keep per-device state (then the partial carries each device's signals)?"""
-    return type(rule).observe is not ServerRule.observe
+class ReadKeys(dict):
+    """A device's metrics that note which keys the server rule looks at."""
+
+    def __init__(self, metrics: Mapping[str, Any], reads: set[str]) -> None:
+        super().__init__(metrics)
+        self.reads = reads
+
+    def __getitem__(self, key: str) -> Any:
+        self.reads.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.reads.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.reads.add(str(key))
+        return super().__contains__(key)
+
+
+class SiteRule:
+    """The algorithm's server rule at a site: it weighs updates as the coordinator's would; what it
+    observes is only noted, so that a partial carries, per device, just the metrics the rule reads
+    (dynsam: sigma and gamma, 26 bytes a device instead of about 180 with every metric)."""
+
+    def __init__(self, rule: ServerRule) -> None:
+        self.rule = rule
+        self.reads: set[str] = set()
+        self.per_device = type(rule).observe is not ServerRule.observe  # keeps per-device state?
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rule, name)
+
+    def observe(self, device: str, num_samples: int, metrics: Mapping[str, Any]) -> None:
+        self.rule.observe(device, num_samples, ReadKeys(metrics, self.reads))
 
 
 class SiteWorker(UpdateIntake):
@@ -239,7 +272,7 @@ class SiteWorker(UpdateIntake):
             self.norm_bound = NormBound(rules.get("norm_bound", 1.5))
         self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, aggregator="mean", **rules)
         self.algorithm = algorithms.get(task.algorithm)
-        self.server_rule = self.algorithm.server(task.hparams)
+        self.server_rule = SiteRule(self.algorithm.server(task.hparams))
         self.server_rule.start_round(site_task.round, len(self.online))
         self.extra_specs = self.server_rule.extra_specs(self.specs)
         self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
@@ -268,8 +301,10 @@ class SiteWorker(UpdateIntake):
     # up the bridge ------------------------------------------------------------------------
     def partial(self, rnd: Round) -> Partial:
         stream = rnd.aggregate.streamed()
-        observed = ([[d, int(m.get("num_samples", 0)), {k: v for k, v in m.items() if k not in ("weight",)}]
-                     for d, m in rnd.device_metrics.items()] if observes_devices(self.server_rule) else [])
+        rule = self.server_rule
+        per_device = isinstance(rule, SiteRule) and rule.per_device
+        observed = ([[d, int(m.get("num_samples", 0)), {k: v for k, v in m.items() if k in rule.reads}]
+                     for d, m in rnd.device_metrics.items()] if per_device else [])
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -83,6 +84,12 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
             worker._on_update(rnd, device, payloads[device], time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
     tree_record = tree.fold_partials({"north": 4, "south": 3, "east": 2}, partials)
+    observed = [row for _, p in partials for row in msgpack.unpackb(p[4 + signing.TAG_BYTES:])["observed"]]
+    if algorithm == "fedavg":  # its server rule keeps no per-device state
+        assert observed == []
+    else:  # per device, only what the server rule reads (of steps, sigma, gamma)
+        assert len(observed) == len(where) and all(set(row[2]) <= {"sigma", "gamma"} for row in observed)
+        assert algorithm != "dynsam" or all(set(row[2]) == {"sigma", "gamma"} for row in observed)
 
     assert tree_record.participants == flat_record.participants == len(where)
     for name in flat.weights:
