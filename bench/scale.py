@@ -322,7 +322,10 @@ def markdown(out: dict) -> str:
         g = out["tree_growth_low_to_high"]
         keys = list(out["tree_by_participants"])
         lines.append(f"- Tree central bytes per round from {keys[0]} to {keys[-1]} participants at {out['sites']} "
-                     f"sites: {100 * g:+.1f}% (target within 10%: {'met' if abs(g) <= 0.10 else 'missed'}).")
+                     f"sites: {100 * g:+.1f}% (target within 10%: {'met' if abs(g) <= 0.10 else 'missed'}). "
+                     "What grows is what grows with a round's duration (each site reports its presence at most "
+                     "once a second while its counts change), not with its devices: a site task and a partial "
+                     "per site whatever the number of participants.")
     lines += ["- These rows use fedavg, whose server rule keeps no per-device state. A rule that does (dynsam, "
               "the default; drsam) makes each partial carry one row per device with just the metrics the rule "
               "reads (dynsam: sigma, gamma; about 26 bytes with the device id, from a field run's metrics): "
