@@ -315,3 +315,19 @@ def wait_until(predicate, within: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < give_up, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def test_config_names_sites_and_refuses_what_they_cannot_run(tmp_path):
+    from broker_coordinator.config import load_config
+    from edgefl_protocol.settings import ConfigError
+    base = '[federation]\ntest_data = "t.npz"\nmodel = "digits_mlp"\n[broker]\npassword = "x"\n'
+    path = tmp_path / "c.toml"
+    path.write_text(base + '[sites.north]\ndevices = "north-*, pi-07"\n')
+    with pytest.raises(ConfigError, match='aggregator = "mean"'):
+        load_config(path)
+    path.write_text(base + '[rounds]\naggregator = "mean"\n[sites.north]\ndevices = "north-*, pi-07"\n')
+    site = load_config(path).sites["north"]
+    assert site.holds("north-3") and site.holds("pi-07") and not site.holds("south-1")
+    path.write_text(base + '[sites.north]\ndevices = "north-*"\nworkers = 0\n')
+    with pytest.raises(ConfigError, match=r"\[sites.north\]: workers must be 1-64"):
+        load_config(path, with_rounds=False)
