@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a whole federation on this machine (private broker, one process per agent)",
         description="Start a private Mosquitto on a free loopback port with generated credentials and ACL, "
                     "spawn one agent process per device with its own data shard, and run the rounds. "
-                    "Prints one line per round and writes history.json and accuracy.png into --out.")
+                    "Prints one line per round and writes history.json and a plot of the task's metric "
+                    "(accuracy.png, or mse.png / mae.png) into --out. Your own model and data: --model "
+                    "package.module:factory with --devices-dir (docs/OWN_MODEL.md).")
     sim.add_argument("--agents", type=_bounded(int, 1, 500), default=10, help="number of agent processes")
     sim.add_argument("--rounds", type=_bounded(int, 1, 100000), default=20, help="federated rounds")
     sim.add_argument("--dataset", default="mnist5k",
@@ -94,6 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--partition-file", type=Path, default=None, metavar="NPZ",
                      help="use a saved partition instead: an .npz with train_idx and offsets, one client per "
                           "agent (e.g. bench/data/mnist5k_dir01_20clients.npz)")
+    sim.add_argument("--model", default=None, metavar="NAME",
+                     help="the model: a built-in (mnist_cnn, mnist_mlp, digits_mlp, logreg60) or your own as "
+                          "package.module:factory, installed here (default: the dataset's model)")
+    sim.add_argument("--task", choices=["classification", "regression"], default="classification",
+                     help="what the model learns; regression trains with --loss and reports it as the metric")
+    sim.add_argument("--loss", choices=["cross_entropy", "mse", "mae"], default=None,
+                     help="default: cross_entropy for classification, mse for regression")
+    sim.add_argument("--devices-dir", type=Path, default=None, metavar="DIR",
+                     help="your own devices instead of --dataset: DIR/<device>.toml each with a [data] section "
+                          "(source npz|csv|images|spool, path, ...: the agent config's); one agent per file")
+    sim.add_argument("--test-data", type=Path, default=None, metavar="NPZ",
+                     help="with --devices-dir: the coordinator's test set (x, y); without it the devices evaluate")
+    sim.add_argument("--evaluate", choices=["auto", "central", "devices", "both"], default=defaults.evaluate,
+                     help="where each round's model is evaluated: the coordinator's test set, the devices' "
+                          "held-out slices (sample-weighted), both; auto = central when there is a test set")
+    sim.add_argument("--eval-only-every", type=_bounded(int, 0), default=0, metavar="N",
+                     help="every Nth round the devices only evaluate the model (no training); 0 = never")
+    sim.add_argument("--holdout", type=_bounded(float, 0.0, 0.9), default=0.2,
+                     help="with a built-in dataset, the fraction of each shard held out when devices evaluate")
     sim.add_argument("--algorithm", choices=sorted(algorithms.ALGORITHMS), default=defaults.algorithm)
     sim.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
                      help="algorithm hyper-parameter over its defaults (repeatable), e.g. rho=0.1 or sam_every=4")
@@ -182,13 +203,16 @@ def run_simulate(args: argparse.Namespace) -> int:
                           partition=args.partition or default_partition, seed=args.seed, out=args.out,
                           federation=args.federation, broker_port=args.broker_port, mosquitto=args.mosquitto,
                           metrics_port=args.metrics_port, partition_file=args.partition_file, fleet=args.fleet, fleet_cpu=args.fleet_cpu,
-                          churn=args.churn)
+                          churn=args.churn, model=args.model, task=args.task,
+                          loss=args.loss or ("cross_entropy" if args.task == "classification" else "mse"),
+                          devices_dir=args.devices_dir, test_data=args.test_data, holdout=args.holdout)
     settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
                              local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
                              momentum=args.momentum, round_timeout=args.round_timeout,
                              selection=args.selection, min_updates=args.min_updates,
                              normalize_steps=args.normalize_steps, model_codec=args.model_codec,
-                             serve_average=args.serve_average, hparams=dict(args.hparam))
+                             serve_average=args.serve_average, hparams=dict(args.hparam),
+                             evaluate=args.evaluate, eval_only_every=args.eval_only_every)
     if args.codec:
         settings.codec = args.codec
     simulate(spec, settings, echo=lambda line: print(line, flush=True))

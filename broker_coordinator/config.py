@@ -2,8 +2,11 @@
 
     [federation]
     name = "default"
-    model = "mnist_cnn"                  # an architecture from models.architectures
-    test_data = "/var/lib/edgefl-coordinator/test.npz"   # held-out set (arrays x, y)
+    model = "mnist_cnn"                  # a built-in (models.architectures) or your own: "package.module:factory"
+    task = "classification"              # classification | regression
+    loss = ""                            # regression: mse (default) | mae; classification: cross_entropy
+    test_data = "/var/lib/edgefl-coordinator/test.npz"   # held-out set (arrays x, y); "" = none: the devices
+                                         # evaluate on their held-out slices ([rounds] evaluate)
     rounds = 0                           # 0 = run until stopped
     seed = 0
     root_data = ""                       # trusted (x, y) for reference = "root"; never the test set
@@ -80,15 +83,19 @@ REGISTRY_FILE = "coordinator.db"
 
 @dataclass
 class FederationSettings:
-    test_data: str
+    test_data: str = ""
     name: str = "default"
     model: str = "mnist_cnn"
+    task: str = "classification"
+    loss: str = ""  # "" = the task's default: cross_entropy, or mse for regression
     rounds: int = 0
     seed: int = 0
     root_data: str = ""  # a small trusted labelled set (x, y), for [rounds] reference = "root"
 
     def validate(self) -> None:
         topics.check_name("federation", self.name)
+        from models.objectives import Objective
+        Objective.of(self.task, self.loss)  # raises ValueError naming the task or the loss
         if self.rounds < 0:
             raise ValueError("rounds must be >= 0 (0 = run until stopped)")
 
@@ -207,13 +214,18 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
     rounds = None
     federation = section(FederationSettings, "federation")
     if with_rounds:
-        from models.architectures import ARCHITECTURES
+        from models.architectures import ModelError, resolve
 
         from .coordinator import RoundSettings
-        if federation.model not in ARCHITECTURES:
-            raise ConfigError(f"{path} [federation]: model must be one of {', '.join(ARCHITECTURES)}, "
-                              f"got {federation.model!r}")
+        try:
+            resolve(federation.model)
+        except ModelError as exc:
+            raise ConfigError(f"{path} [federation] model: {exc}") from None
         rounds = section(RoundSettings, "rounds")
+        try:
+            rounds.evaluation(bool(federation.test_data))
+        except ValueError as exc:
+            raise ConfigError(f"{path} [rounds]: {exc}") from None
     sites = {}
     for name, table in raw.get("sites", {}).items():
         if not isinstance(table, dict):

@@ -34,8 +34,9 @@ import numpy as np
 from edgefl_protocol import algorithms, codec, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
-from models.architectures import build_model, get_weights, set_weights
+from models.architectures import build_model, fingerprint, get_weights, set_weights
 from models.datasets import Dataset
+from models.objectives import Evaluation, Objective
 
 from . import limits
 from .reference import root_direction
@@ -43,7 +44,7 @@ from .aggregation import StreamingMean
 from .broker import COORDINATOR_USER
 from .robust import RobustRound
 from .trust import NormBound, SampleWeights
-from .evaluation import evaluate
+from .evaluation import federated_score
 from .round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSettings is imported from here)
 from .intake import UpdateIntake
 from .metrics import Metrics
@@ -61,19 +62,26 @@ class RoundFailed(Exception):
 
 
 class Coordinator(UpdateIntake):
-    def __init__(self, federation: str, arch: str, test_set: Dataset, settings: RoundSettings, seed: int = 0,
+    def __init__(self, federation: str, arch: str, test_set: Dataset | None, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
                  on_state: Callable[[Round], None] | None = None,
-                 device_keys: Mapping[str, bytes] | None = None, root_set: Dataset | None = None) -> None:
+                 device_keys: Mapping[str, bytes] | None = None, root_set: Dataset | None = None,
+                 objective: Objective = Objective()) -> None:
         settings.validate()
+        self.objective = objective
+        self.evaluate_central, self.evaluate_devices = settings.evaluation(test_set is not None and len(test_set) > 0)
         if settings.reference == "root" and (root_set is None or len(root_set) == 0):
             raise ValueError("reference = \"root\" needs a small labelled dataset on the coordinator: set "
                              "[federation] root_data (not the test set)")
+        if root_set is not None and objective.task != "classification":
+            raise ValueError("root_data (the trusted reference) is for classification tasks; unset it for "
+                             f"a {objective.task} task")
         self.root_set = root_set
         self.fed = topics.check_name("federation", federation)
         self.arch, self.settings, self.test_set = arch, settings, test_set
         self.store, self.metrics, self.on_state = store, metrics or Metrics(), on_state
         self.model = build_model(arch, seed)
+        self.fingerprint = fingerprint(self.model)  # devices refuse a release whose model differs from theirs
         self.weights = get_weights(self.model)
         self.specs = codec.specs_of(self.weights)
         self.served = ServedAverage(self.weights, settings.serve_average)  # what is evaluated and kept
@@ -258,7 +266,7 @@ class Coordinator(UpdateIntake):
             return
         tensors = {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
         manifest, chunks = downlink.release(self.version, self.arch, tensors, self.settings.model_codec,
-                                            self.settings.model_chunk_bytes)
+                                            self.settings.model_chunk_bytes, self.fingerprint)
         self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
         self._model_payloads.append((topics.model(self.fed, self.version), messages.encode("model", manifest)))
         for topic, payload in self._model_payloads:
@@ -289,6 +297,7 @@ class Coordinator(UpdateIntake):
         k = len(eligible) if s.clients_per_round == 0 else s.clients_per_round
         cohort = set(select(s.selection, eligible, k, self.rng, self.last_metrics))
         rnd = self._open_round(round_no, attempt, cohort, deadline, len(self.online))
+        rnd.train = not s.evaluation_only(round_no)
         if self.on_state:
             self.on_state(rnd)
         if len(cohort) < s.min_updates:
@@ -297,7 +306,8 @@ class Coordinator(UpdateIntake):
             return rnd
         self._publish_model(deadline)
         task = messages.Task(round_no, self.version, deadline, s.algorithm, s.task_hparams(round_no),
-                             self.server_rule.broadcast(), s.codec, attempt)
+                             self.server_rule.broadcast(), s.codec, attempt, self.objective.task,
+                             self.objective.loss, evaluate=self.evaluate_devices or not rnd.train, train=rnd.train)
         payload = messages.encode("task", task)
         assert self.session is not None
         for device in cohort:
@@ -311,14 +321,15 @@ class Coordinator(UpdateIntake):
         for topic in unsent:
             log.error("round %d: the task for %s could not be published", round_no, topic.split("/")[3])
         self._collect(rnd, deadline)
-        count = rnd.aggregate.count
+        count = rnd.counted
         if self.stopping.is_set():
             self._set_state(rnd, RoundState.ABANDONED, "coordinator shutting down")
         elif count >= s.min_updates:
             self._set_state(rnd, RoundState.CLOSED, "all selected devices answered" if rnd.complete
-                            else f"deadline passed with {count} of {len(cohort)} updates")
+                            else f"deadline passed with {count} of {len(cohort)} answers")
         else:
-            why = f"{count} of {len(cohort)} updates at the deadline, quorum is {s.min_updates}"
+            answers = "updates" if rnd.train else "evaluation reports"
+            why = f"{count} of {len(cohort)} {answers} at the deadline, quorum is {s.min_updates}"
             if rnd.refused:
                 reasons = Counter(rnd.refused.values()).most_common(2)
                 why += f"; {len(rnd.refused)} refused the task ({'; '.join(r for r, _ in reasons)})"
@@ -391,21 +402,24 @@ class Coordinator(UpdateIntake):
         return lambda names: root_direction(self.arch, base, self.root_set, names, lr, seed=round_no)
 
     def _conclude(self, rnd: Round, base_sha: str) -> RoundRecord:
-        """A closed round: the server rule's new global model, evaluation, checkpoint."""
+        """A closed round: the server rule's new global model, evaluation, checkpoint. An
+        evaluation-only round keeps the model and records what the devices measured."""
         round_no = rnd.number
         self.closed_at[round_no] = time.time()
         # the replay guard needs only recent rounds: older answers are rejected as late anyway
         self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
-        self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
-                                                   self.extras.mean() if self.extras is not None else None)
-        self.version += 1
-        set_weights(self.model, self.weights)
-        set_weights(self.served_model, self.served.update(self.weights))
+        if rnd.train:
+            self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
+                                                       self.extras.mean() if self.extras is not None else None)
+            self.version += 1
+            set_weights(self.model, self.weights)
+            set_weights(self.served_model, self.served.update(self.weights))
         self._set_state(rnd, RoundState.AGGREGATED)
-        accuracy, loss = evaluate(self.served_model, self.test_set)
+        central = (self.objective.evaluate(self.served_model, self.test_set)
+                   if self.evaluate_central and self.test_set is not None else None)
         self._set_state(rnd, RoundState.EVALUATED)
-        record = self._record(rnd, base_sha, model_sha256(self.weights),
-                              "complete" if rnd.complete else "deadline", accuracy, loss)
+        closed = ("complete" if rnd.complete else "deadline") if rnd.train else "evaluated"
+        record = self._record(rnd, base_sha, model_sha256(self.weights), closed, central)
         if self.store:
             self.store.save_checkpoint(Checkpoint(round_no, self.version, self.arch, self.weights,
                                                   record.model_sha256, self.server_rule.state(), asdict(record),
@@ -417,13 +431,18 @@ class Coordinator(UpdateIntake):
         self.next_round = round_no + 1
         self.metrics.rounds.labels(record.closed).inc()
         self.metrics.round_seconds.observe(record.seconds)
-        self.metrics.accuracy.set(accuracy)
-        self.metrics.loss.set(loss)
+        if central is not None:
+            self.metrics.score.labels(central.metric, "central").set(central.score)
+            self.metrics.loss.set(central.loss)
+            if self.objective.task == "classification":
+                self.metrics.accuracy.set(central.score)
+        if record.federated:
+            self.metrics.score.labels(record.federated["metric"], "devices").set(record.federated["score"])
         self.metrics.round.set(round_no)
         return record
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
-                accuracy: float = float("nan"), loss: float = float("nan")) -> RoundRecord:
+                central: Evaluation | None = None) -> RoundRecord:
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
         for device, (norm, bound) in rnd.aggregate.clipped.items():
             log.warning("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
@@ -439,9 +458,14 @@ class Coordinator(UpdateIntake):
             rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
         if rnd.aggregate.gated:
             clipped["direction"] = len(rnd.aggregate.gated)
-        return RoundRecord(rnd.number, rnd.attempt, rnd.aggregate.count, len(rnd.cohort), accuracy, loss,
-                           rnd.bytes_up, time.time() - rnd.started, dict(rnd.rejected), closed, base_sha,
-                           model_sha, rnd.device_metrics, clipped, dict(rnd.refused), rnd.reason)
+        score = central.score if central else float("nan")
+        accuracy = score if self.objective.task == "classification" else float("nan")
+        federated = federated_score(self.objective.metric, rnd.evaluations, rnd.base_version)
+        return RoundRecord(rnd.number, rnd.attempt, rnd.counted, len(rnd.cohort), accuracy,
+                           central.loss if central else float("nan"), rnd.bytes_up, time.time() - rnd.started,
+                           dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,
+                           dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
+                           "train" if rnd.train else "evaluate")
 
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:

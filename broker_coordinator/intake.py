@@ -61,8 +61,19 @@ class UpdateIntake:
         if self.store and current is not None:
             self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
 
-    def _fold(self, current: Round, device: str, answer: messages.Update | messages.Refusal,
-              judged: tuple[dict, float, int, str] | messages.Refusal, size: int, digest: str) -> None:
+    def _fold(self, current: Round, device: str, answer: messages.Answer,
+              judged: tuple[dict, float, int, str] | messages.Refusal | messages.EvalReport, size: int,
+              digest: str) -> None:
+        if isinstance(answer, messages.EvalReport):
+            current.evaluations[device] = (answer.score, answer.loss, answer.count)
+            current.answered.add(device)
+            self.accepted[(device, current.number, current.attempt)] = digest
+            current.device_metrics[device] = {f"eval_{answer.metric}": answer.score, "eval_loss": answer.loss,
+                                              "eval_count": answer.count}
+            if self.store:
+                self.store.record_device_round(current.number, current.attempt, device, True, None,
+                                               current.device_metrics[device])
+            return
         if isinstance(answer, messages.Refusal):
             current.refused[device] = f"{answer.reason}: {answer.detail}"
             log.warning("%s refused round %d (attempt %d): %s: %s", device, current.number, current.attempt,
@@ -79,6 +90,8 @@ class UpdateIntake:
         if self.extras is not None:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
         self.server_rule.observe(device, answer.num_samples, answer.metrics)
+        if (evaluation := self._evaluation_in(device, answer.metrics)) is not None:
+            current.evaluations[device] = evaluation
         current.answered.add(device)
         self.accepted[(device, current.number, current.attempt)] = digest
         current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)
@@ -89,6 +102,23 @@ class UpdateIntake:
         if self.store:
             self.store.record_device_round(current.number, current.attempt, device, True, None,
                                            current.device_metrics[device])
+
+    def _evaluation_in(self, device: str, metrics: dict) -> tuple[float, float, int] | None:
+        """The received model's evaluation an update carries when the task asked for one (eval_score,
+        eval_loss, eval_count); a malformed one is left out of the round's evaluation, with a log line."""
+        if "eval_count" not in metrics:
+            return None
+        score, loss, count = metrics.get("eval_score"), metrics.get("eval_loss"), metrics.get("eval_count")
+        named = metrics.get("eval_metric")
+        if (not isinstance(count, int) or isinstance(count, bool) or count <= 0
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (score, loss))
+                or named != self.objective.metric):
+            log.warning("update from %s: its evaluation (eval_metric %r, eval_score %r, eval_count %r) is not a "
+                        "%s measurement; left out of the round's evaluation", device, named, score, count,
+                        self.objective.metric)
+            self.metrics.rejected.labels("evaluation").inc()
+            return None
+        return float(score), float(loss), count
 
     def _receipt(self, device: str, answer: tuple[int, int], rejected: Rejected | None) -> None:
         """Tell the device what became of its answer (round, attempt), so that it stops resending, or
@@ -115,7 +145,7 @@ class UpdateIntake:
             raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
         return weight, steps, trusted.note
 
-    def _parse(self, device: str, data: bytes) -> messages.Update | messages.Refusal:
+    def _parse(self, device: str, data: bytes) -> messages.Answer:
         """Admission, size cap and the device's signature (before anything is parsed), then the header."""
         refused = self.admission(device) if self.admission else None
         if refused:
@@ -127,8 +157,8 @@ class UpdateIntake:
             raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
         return answer
 
-    def _judge(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
-               data: bytes, arrived: float) -> tuple[dict, float, int, str] | messages.Refusal | None:
+    def _judge(self, current: Round | None, device: str, answer: messages.Answer, data: bytes,
+               arrived: float) -> tuple[dict, float, int, str] | messages.Refusal | messages.EvalReport | None:
         """A readable answer: replay, freshness, then for an update its tensors, weight and steps.
         None for a resend of an update already accepted in the open round. Raises Rejected."""
         key = (device, answer.round, answer.attempt)
@@ -143,6 +173,15 @@ class UpdateIntake:
         self._check_fresh(current, device, answer, arrived)
         if isinstance(answer, messages.Refusal):
             return answer
+        assert current is not None  # _check_fresh rejects an answer when no round is open
+        if isinstance(answer, messages.EvalReport) != (not current.train):
+            asked = "an update" if current.train else "an evaluation report (evaluation-only round)"
+            raise Rejected("schema", f"round {current.number} asked {device} for {asked}")
+        if isinstance(answer, messages.EvalReport):
+            if answer.metric != self.objective.metric:
+                raise Rejected("schema", f"evaluation report measures {answer.metric!r}; this federation's "
+                                         f"metric is {self.objective.metric!r}")
+            return answer
         if answer.codec != codec.parse(self.settings.codec).name:
             raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.settings.codec!r}")
         delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.specs, **self.extra_specs},
@@ -152,8 +191,7 @@ class UpdateIntake:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
         return (delta, *self._weight_and_steps(device, answer))
 
-    def _check_fresh(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
-                     arrived: float) -> None:
+    def _check_fresh(self, current: Round | None, device: str, answer: messages.Answer, arrived: float) -> None:
         if answer.round in self.closed_at and (current is None or answer.round != current.number):
             raise Rejected("late", f"round {answer.round} closed at {_clock(self.closed_at[answer.round])}, "
                                    f"update arrived {_clock(arrived)}")
@@ -170,6 +208,6 @@ class UpdateIntake:
             raise Rejected("not_selected", f"{device} was not selected for round {current.number}")
         if device in current.answered or device in current.refused:
             raise Rejected("duplicate", f"{device} already answered round {current.number}")
-        if isinstance(answer, messages.Update) and answer.model_version != current.base_version:
+        if not isinstance(answer, messages.Refusal) and answer.model_version != current.base_version:
             raise Rejected("stale", f"update was trained on model version {answer.model_version}, "
                                     f"round {current.number} distributed version {current.base_version}")

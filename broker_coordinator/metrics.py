@@ -17,7 +17,11 @@ class Metrics:
         self.bytes_up = Counter("edgefl_update_bytes", "Bytes of accepted updates received", registry=r)
         self.round_seconds = Histogram("edgefl_round_duration_seconds", "Wall time per round", registry=r,
                                        buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
-        self.accuracy = Gauge("edgefl_test_accuracy", "Global model accuracy on the held-out set", registry=r)
+        self.accuracy = Gauge("edgefl_test_accuracy", "Global model accuracy on the held-out set "
+                              "(classification tasks)", registry=r)
+        self.score = Gauge("edgefl_model_score", "The task's metric for the global model (accuracy, mse or mae), "
+                           "on the coordinator's test set (central) or the devices' held-out slices (devices)",
+                           ["metric", "where"], registry=r)
         self.loss = Gauge("edgefl_test_loss", "Global model loss on the held-out set", registry=r)
         self.round = Gauge("edgefl_round", "Last finished round", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)

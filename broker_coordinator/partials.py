@@ -86,6 +86,7 @@ class Partial:
     summary: dict[str, list] = field(default_factory=dict)  # metric -> [count, sum, min, max]
     observed: list = field(default_factory=list)  # [[device, num_samples, {metric: value}], ...]
     selected: int = 0  # devices the site tasked (reported by worker 0 only)
+    evaluation: list = field(default_factory=list)  # [sum score*n, sum loss*n, n, devices] of device evaluations
 
 
 def encode_site_task(task: SiteTask) -> bytes:
@@ -154,7 +155,7 @@ def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str
         extras_count=_get(obj, "extras_count", int), specs=_get(obj, "specs", list), body=_get(obj, "body", bytes),
         rejected=_counts(obj, "rejected"), refused=_get(obj, "refused", int), clipped=_counts(obj, "clipped"),
         bytes_up=_get(obj, "bytes_up", int), summary=_summary(obj), observed=_observed(obj),
-        selected=_get(obj, "selected", int))
+        selected=_get(obj, "selected", int), evaluation=_evaluation(obj))
     if p.site != site:
         raise Rejected("sender", f"topic says site {site} but the partial claims {p.site}")
     if min(p.worker, p.count, p.extras_count, p.refused, p.bytes_up, p.selected) < 0 or p.extras_count > p.count:
@@ -174,6 +175,24 @@ def _counts(obj: Mapping[str, Any], name: str) -> dict[str, int]:
                                               and v >= 0 for k, v in value.items()):
         raise Rejected("schema", f"field {name!r} must map reasons to counts")
     return value
+
+
+def _evaluation(obj: Mapping[str, Any]) -> list:
+    row = obj.get("evaluation") or []
+    if row and not (isinstance(row, list) and len(row) == 4
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row)
+                    and row[2] > 0 and row[3] > 0):
+        raise Rejected("schema", "evaluation must be [sum score*n, sum loss*n, n > 0, devices > 0] of finite numbers")
+    return row
+
+
+def pooled_evaluation(reports: Mapping[str, tuple[float, float, int]]) -> list:
+    """Devices' evaluations (device -> score, loss, count) as sums a partial can carry."""
+    valid = [r for r in reports.values() if r[2] > 0 and math.isfinite(r[0]) and math.isfinite(r[1])]
+    if not valid:
+        return []
+    return [sum(s * n for s, _, n in valid), sum(loss * n for _, loss, n in valid), sum(n for *_, n in valid),
+            len(valid)]
 
 
 def _summary(obj: Mapping[str, Any]) -> dict[str, list]:
@@ -227,6 +246,7 @@ class TreeSum:
         self.gated: dict[str, float] = {}
         self.bounded: Counter[str] = Counter()  # what the sites clipped, by kind
         self.summary: dict[str, list] = {}
+        self.reports = 0  # devices whose evaluation the partials carry
 
     @property
     def count(self) -> int:
@@ -239,6 +259,7 @@ class TreeSum:
             self.extras.merge({n: sums[n] for n in self.extras.sums}, float(partial.extras_count),
                               float(partial.extras_count), partial.extras_count)
         self.bounded.update(partial.clipped)
+        self.reports += int(partial.evaluation[3]) if partial.evaluation else 0
         for key, row in partial.summary.items():
             mine = self.summary.setdefault(key, [0, 0.0, row[2], row[3]])
             mine[0] += row[0]

@@ -1,8 +1,14 @@
-"""What a run leaves behind: history.json and an accuracy-per-round plot."""
+"""What a run leaves behind: history.json and a plot of the task's metric per round.
+
+Records name their metric (`metric`: accuracy, mse or mae); `score` is the
+central evaluation, `federated` the devices' sample-weighted one. Older
+records have only `accuracy`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,20 +17,60 @@ def write_history(path: Path, rounds: list[dict[str, Any]], meta: dict[str, Any]
     path.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=2) + "\n")
 
 
+def _federated(record: dict[str, Any]) -> dict[str, Any]:
+    value = record.get("federated") or {}
+    return json.loads(value) if isinstance(value, str) else value  # the store keeps it as JSON text
+
+
+def scores(record: dict[str, Any]) -> tuple[str, float, float]:
+    """(metric, central score, federated score) of a round record; NaN where not measured."""
+    metric = record.get("metric") or "accuracy"
+    central = record.get("score")
+    if central is None:
+        central = record.get("accuracy", float("nan"))
+    federated = _federated(record).get("score", float("nan"))
+    return metric, float("nan") if central is None else float(central), float(federated)
+
+
+def format_score(metric: str, score: float) -> str:
+    if score != score:
+        return "n/a"
+    return f"{100 * score:.2f}%" if metric == "accuracy" else f"{score:.4g}"
+
+
+def describe_scores(record: dict[str, Any], objective: Any = None) -> str:
+    """e.g. "accuracy 93.10%" or "mse 0.412 (devices, 240 samples)"."""
+    metric, central, federated = scores(record)
+    parts = []
+    if not math.isnan(central):
+        parts.append(f"{metric} {format_score(metric, central)}")
+    if not math.isnan(federated):
+        count = _federated(record).get("count", 0)
+        parts.append(f"{metric} {format_score(metric, federated)} on devices ({count} held-out samples)")
+    return ", ".join(parts) or f"{metric} not measured"
+
+
 def plot_accuracy(path: Path, rounds: list[dict[str, Any]], title: str) -> bool:
-    """Write a PNG; returns False (and writes nothing) when matplotlib is not installed."""
+    """Write a PNG of the metric per round (central and/or on devices); returns False (and writes
+    nothing) when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    metric = scores(rounds[0])[0] if rounds else "accuracy"
+    scale = 100 if metric == "accuracy" else 1
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["round"] for r in rounds], [100 * r["accuracy"] for r in rounds], marker="o", markersize=3)
+    for index, label in ((1, "central test set"), (2, "devices' held-out data")):
+        points = [(r["round"], scale * scores(r)[index]) for r in rounds if not math.isnan(scores(r)[index])]
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3, label=label)
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel("accuracy (%)" if metric == "accuracy" else metric)
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -40,6 +86,13 @@ def format_round(record: dict[str, Any], rounds: int) -> str:
         extra += "  bounded " + ", ".join(f"{how} {n}" for how, n in sorted(bounded.items()))
     if record["closed"] == "abandoned":
         extra += "  ABANDONED (no quorum)"
+    metric, central, federated = scores(record)
+    if record.get("kind") == "evaluate":
+        measured = f"evaluated on devices: {metric} {format_score(metric, federated)}"
+    else:
+        measured = f"{metric} {format_score(metric, central):>7}"
+        if not math.isnan(federated):
+            measured += f" (devices {format_score(metric, federated)})"
+        measured += f"  loss {record['loss']:.4f}"
     return (f"round {record['round']:>{width}}/{rounds}  participants {record['participants']:>3}/{record['selected']:<3} "
-            f"accuracy {100 * record['accuracy']:6.2f}%  loss {record['loss']:.4f}  "
-            f"up {record['bytes_up'] / 1e6:7.2f} MB  {record['seconds']:6.1f} s{extra}")
+            f"{measured}  up {record['bytes_up'] / 1e6:7.2f} MB  {record['seconds']:6.1f} s{extra}")

@@ -14,6 +14,8 @@ from .robust import AGGREGATORS
 from .selection import POLICIES
 from .trust import WEIGHTINGS
 
+EVALUATE_MODES = ("auto", "central", "devices", "both")
+
 
 @dataclass
 class RoundSettings:
@@ -43,6 +45,11 @@ class RoundSettings:
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
+    # where the global model is evaluated: "central" (the coordinator's test set), "devices" (each selected
+    # device on its held-out slice, sample-weighted), "both", or "auto" (central when there is a test set,
+    # else devices)
+    evaluate: str = "auto"
+    eval_only_every: int = 0  # every Nth round only evaluates on the devices (no training); 0 = never
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
 
     def validate(self) -> None:
@@ -74,6 +81,8 @@ class RoundSettings:
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
+            (self.evaluate in EVALUATE_MODES, f"evaluate must be one of {', '.join(EVALUATE_MODES)}"),
+            (self.eval_only_every >= 0, "eval_only_every must be >= 0 (0 = no evaluation-only rounds)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -84,6 +93,20 @@ class RoundSettings:
             raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
         codec.parse(self.codec)
         downlink.check_model_codec(self.model_codec)
+
+    def evaluation(self, has_test_set: bool) -> tuple[bool, bool]:
+        """(central, on devices): where each round's model is evaluated. Raises ValueError when the
+        operator asked for a central evaluation without a test set."""
+        if self.evaluate == "central" and not has_test_set:
+            raise ValueError("evaluate = \"central\" needs a test set: set [federation] test_data, or use "
+                             "\"devices\" (the devices' held-out slices)")
+        central = has_test_set and self.evaluate in ("auto", "central", "both")
+        devices = self.evaluate in ("devices", "both") or (self.evaluate == "auto" and not has_test_set)
+        return central, devices
+
+    def evaluation_only(self, round_no: int) -> bool:
+        """Whether the operator scheduled this round to evaluate on the devices without training."""
+        return self.eval_only_every > 0 and round_no % self.eval_only_every == 0
 
     def task_hparams(self, round_no: int) -> dict[str, float]:
         algorithm = algorithms.get(self.algorithm)
@@ -113,3 +136,9 @@ class RoundRecord:
     clipped: dict[str, int] = field(default_factory=dict)  # {"norm": n, "weight": m}: bounded, not rejected
     refused: dict[str, str] = field(default_factory=dict)  # device -> why it refused the task
     reason: str = ""
+    metric: str = "accuracy"  # the task's metric (models.objectives): accuracy, mse or mae
+    score: float = float("nan")  # the central evaluation's metric; NaN without a test set
+    # the devices' evaluation of the model this round started from, sample-weighted:
+    # {"metric", "score", "loss", "count", "devices", "model_version"}; {} when devices did not evaluate
+    federated: dict[str, Any] = field(default_factory=dict)
+    kind: str = "train"  # "train", or "evaluate" for an evaluation-only round

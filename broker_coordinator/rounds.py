@@ -58,12 +58,19 @@ class Round:
     weights_clipped: int = 0
     bytes_up: int = 0
     reason: str = ""
+    train: bool = True  # False: an evaluation-only round (devices report, the model stays)
+    evaluations: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # device -> score, loss, count
 
     def move(self, new: RoundState, reason: str = "") -> None:
         if new not in NEXT[self.state]:
             raise RuntimeError(f"round {self.number}: illegal transition {self.state.value} -> {new.value}")
         self.state = new
         self.reason = reason or self.reason
+
+    @property
+    def counted(self) -> int:
+        """Answers that count towards the quorum: folded updates, or evaluation reports."""
+        return self.aggregate.count if self.train else len(self.evaluations)
 
     @property
     def complete(self) -> bool:

@@ -9,11 +9,12 @@ from typing import Callable
 
 from edgefl_protocol import signing
 from models.datasets import load_npz
+from models.objectives import Objective
 
 from .config import CoordinatorConfig
 from .coordinator import Coordinator, RoundFailed, record_dict
 from .metrics import Metrics
-from .report import format_round
+from .report import describe_scores, format_round
 from .statelock import StateLock
 from .store import Store
 
@@ -23,13 +24,14 @@ DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex H
 
 def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     fed, b = config.federation, config.broker
-    test_set = load_npz(fed.test_data)
+    objective = Objective.of(fed.task, fed.loss)
+    test_set = load_npz(fed.test_data, fed.task) if fed.test_data else None
     metrics = Metrics()
     if config.metrics.port:
         metrics.serve(config.metrics.port, config.metrics.bind)
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
-    root_set = load_npz(fed.root_data) if fed.root_data else None
+    root_set = load_npz(fed.root_data, fed.task) if fed.root_data else None
     kind, extra = Coordinator, {}
     if config.sites:  # a federation in sites: the coordinator tasks sites and combines their partials
         from .sites import site_key
@@ -38,7 +40,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                                                   for name, s in config.sites.items()}}
     coordinator = kind(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                        store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
-                       metrics=metrics, device_keys=keys, root_set=root_set, **extra)
+                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, **extra)
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -107,13 +109,16 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
         devices = store.devices()
     finally:
         store.close()
-    echo(f"federation {config.federation.name!r}, model {config.federation.model}, state in {config.storage.state_dir}")
+    fed = config.federation
+    objective = Objective.of(fed.task, fed.loss)
+    echo(f"federation {fed.name!r}, model {fed.model} ({fed.task}, metric {objective.metric}), "
+         f"state in {config.storage.state_dir}")
     if ckpt is None:
         echo("no round finished yet")
     else:
         last = rounds[-1] if rounds else ckpt.record
         echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
-             f"accuracy {100 * last['accuracy']:.2f}%, {last['participants']}/{last['selected']} participants")
+             f"{describe_scores(last, objective)}, {last['participants']}/{last['selected']} participants")
     online = sum(1 for d in devices if d["online"])
     echo(f"devices: {online} online of {len(devices)} seen")
     for d in devices:

@@ -1,6 +1,11 @@
 """A whole federation on one machine, through the same parts as production:
 a private Mosquitto with generated credentials and ACL, one agent *process*
-per device reading its own data file, and the coordinator's round loop.
+per device reading its own data, and the coordinator's round loop.
+
+The devices' data is either a built-in dataset cut into shards (`dataset`,
+`partition`), or the user's own: `devices_dir` holds one `<device>.toml` per
+agent whose `[data]` section (the agent config's, edge_agent/config.py) names
+that device's source, with the user's model (`model = "package.module:factory"`).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgefl_protocol import signing
-from edgefl_protocol.settings import to_toml
+from edgefl_protocol.settings import ConfigError, read_toml, to_toml
 from models import datasets, partition
+from models.objectives import Objective
 
 from . import fleet
 from .broker import COORDINATOR_USER, PrivateBroker
@@ -48,6 +54,12 @@ class SimulationSpec:
     fleet: str | None = None  # e.g. "zero2w:4,pi3:4,pi4:8,pi5:4": per-agent CPU quota and memory limit (fleet.py)
     fleet_cpu: float = 0.0  # CPU cores of speed 1.0 (a Pi 5); 0 = fleet.default_cpu_scale
     churn: str | None = None  # "FRACTION[:SECONDS]": devices go offline and come back (fleet.py)
+    model: str | None = None  # None: the dataset's model; else a built-in name or package.module:factory
+    task: str = "classification"
+    loss: str = ""
+    devices_dir: Path | None = None  # the user's own devices: one <device>.toml with a [data] section each
+    test_data: Path | None = None  # with devices_dir: the coordinator's test set (.npz); None = none
+    holdout: float = 0.2  # the shards' held-out fraction when devices evaluate (built-in datasets)
 
 
 def read_partition_file(path: Path, agents: int, train_size: int) -> list:
@@ -79,15 +91,34 @@ def prepare_shards(spec: SimulationSpec, data: datasets.FederatedData, devices_d
     return paths
 
 
-def write_agent_config(path: Path, device: str, password: str, port: int, spec: SimulationSpec, data: Path,
-                       signing_key: bytes | None = None) -> None:
-    """The agent config format of edge_agent/config.py, as a device would have it after enrollment."""
+def read_devices_dir(directory: Path) -> dict[str, dict]:
+    """device -> its [data] section, from DIR/<device>.toml (the user's own devices)."""
+    files = sorted(directory.glob("*.toml")) if directory.is_dir() else []
+    if not files:
+        raise ConfigError(f"--devices-dir {directory}: no <device>.toml files (each with a [data] section)")
+    devices = {}
+    for path in files:
+        raw = read_toml(path)
+        if not isinstance(raw.get("data"), dict) or set(raw) - {"data"}:
+            raise ConfigError(f"{path}: expected exactly one [data] section (keys: edge_agent/config.py)")
+        devices[path.stem] = raw["data"]
+    return devices
+
+
+def write_agent_config(path: Path, device: str, password: str, port: int, spec: SimulationSpec,
+                       data: Path | dict, signing_key: bytes | None = None) -> None:
+    """The agent config format of edge_agent/config.py, as a device would have it after enrollment.
+    `data`: a shard file (npz), or a whole [data] section."""
     sections = {
         "broker": {"host": "127.0.0.1", "port": port, "username": device, "password": password},
-        "device": {"id": device, "data": str(data), "state_dir": str(path.parent / "state"),
+        "device": {"id": device, "state_dir": str(path.parent / "state"),
                    "federation": spec.federation, "threads": spec.agent_threads,
                    "signing_key": signing_key.hex() if signing_key else None},
     }
+    if isinstance(data, dict):
+        sections["data"] = data
+    else:
+        sections["device"]["data"] = str(data)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(to_toml(sections))
@@ -133,7 +164,16 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
 
     `spawn(config, log_path)` starts one agent process (bench/pi/pi_check.py starts one under emulation)."""
     settings.validate()
-    data = datasets.load(spec.dataset, num_users=spec.agents, seed=spec.seed)
+    objective = Objective.of(spec.task, spec.loss)
+    own = read_devices_dir(spec.devices_dir) if spec.devices_dir else None
+    data = None if own else datasets.load(spec.dataset, num_users=spec.agents, seed=spec.seed)
+    test_set = (datasets.load_npz(spec.test_data, spec.task) if spec.test_data else None) if own else data.test
+    central, on_devices = settings.evaluation(test_set is not None)
+    model = spec.model or (data.model if data else None)
+    if model is None:
+        raise ConfigError("--devices-dir needs --model: a built-in name or package.module:factory")
+    if own:
+        spec.agents = len(own)
     out = spec.out
     run_dir = out / "run"
     if (run_dir / RUN_MARKER).exists():
@@ -141,14 +181,27 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_MARKER).write_text("created by broker-coordinator simulate; removed by the next run\n")
     devices_dir = run_dir / "devices"
-    shard_paths = prepare_shards(spec, data, devices_dir)
-    echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents "
-         f"({spec.partition_file or spec.partition}), "
-         f"{len(data.test)} held out for the coordinator")
+    if own:
+        device_data: list[Path | dict] = list(own.values())
+        for device in own:
+            (devices_dir / device).mkdir(parents=True, exist_ok=True)
+        echo(f"{len(own)} devices with their own data ({', '.join(sorted({d.get('source', 'npz') for d in own.values()}))}), "
+             f"model {model}, {objective.task} ({objective.metric}); "
+             + (f"{len(test_set)} test samples on the coordinator" if test_set is not None
+                else "no central test set: the devices evaluate on their held-out slices"))
+    else:
+        shards = prepare_shards(spec, data, devices_dir)
+        # devices evaluate on a held-out slice of their shard only when asked to; else they train on all of it
+        evaluating = on_devices or settings.eval_only_every > 0
+        device_data = [{"source": "npz", "path": str(p), "holdout": spec.holdout} for p in shards] if evaluating \
+            else list(shards)
+        echo(f"{data.name}: {len(data.train)} training samples over {spec.agents} agents "
+             f"({spec.partition_file or spec.partition}), "
+             f"{len(data.test)} held out for the coordinator")
 
     broker = PrivateBroker(run_dir / "broker", spec.federation, port=spec.broker_port, mosquitto=spec.mosquitto)
     coordinator_password = broker.add_user(COORDINATOR_USER)
-    devices = [f"dev-{i:03d}" for i in range(spec.agents)]
+    devices = list(own) if own else [f"dev-{i:03d}" for i in range(spec.agents)]
     passwords = {device: broker.add_user(device) for device in devices}
     keys = {device: signing.new_key() for device in devices}  # per-device update signing keys
     processes: dict[str, subprocess.Popen] = {}
@@ -161,9 +214,10 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
         cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
-        coordinator = Coordinator(spec.federation, data.model, data.test, settings, seed=spec.seed,
+        coordinator = Coordinator(spec.federation, model, test_set, settings, seed=spec.seed,
                                   store=Store(run_dir / "coordinator"), metrics=metrics, device_keys=keys,
-                                  on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)))
+                                  on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)),
+                                  objective=objective)
         coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         groups, cgroup_procs, classes = setup_fleet(spec, devices, f"edgefl-{spec.federation}-{os.getpid()}", echo)
 
@@ -174,9 +228,9 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             return spawn_agent(home / "agent.toml", home / "agent.log", cgroup_procs.get(device), append=again)
 
         try:
-            for device, shard in zip(devices, shard_paths):
-                write_agent_config(shard.parent / "agent.toml", device, passwords[device], broker.port, spec,
-                                   shard, keys[device])
+            for device, local in zip(devices, device_data):
+                write_agent_config(devices_dir / device / "agent.toml", device, passwords[device], broker.port,
+                                   spec, local, keys[device])
                 processes[device] = start(device)
             echo(f"started {len(processes)} agent processes; waiting for them to come online")
             coordinator.wait_for_devices(spec.agents, spec.startup_timeout,
@@ -208,15 +262,18 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
                 groups.remove()
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"dataset": data.name, "model": data.model, "agents": spec.agents,
-            "partition": spec.partition_file.name if spec.partition_file else spec.partition,
+    meta = {"dataset": data.name if data else f"own data ({spec.devices_dir})", "model": model,
+            "task": objective.task, "loss": objective.loss, "metric": objective.metric,
+            "evaluated": {"central": central, "devices": on_devices}, "agents": spec.agents,
+            "partition": (spec.partition_file.name if spec.partition_file else spec.partition) if data else None,
             "seed": spec.seed, "algorithm": settings.algorithm, "codec": settings.codec,
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,
             "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else []}
     write_history(out / "history.json", history, meta)
-    plotted = plot_accuracy(out / "accuracy.png", history,
-                            f"{settings.algorithm} on {data.name}, {spec.agents} agents, {spec.partition}")
-    echo(f"wrote {out / 'history.json'}" + (f" and {out / 'accuracy.png'}" if plotted else
+    plot = out / ("accuracy.png" if objective.metric == "accuracy" else f"{objective.metric}.png")
+    plotted = plot_accuracy(plot, history, f"{settings.algorithm} on {meta['dataset']}, "
+                            f"{spec.agents} agents" + (f", {spec.partition}" if data else ""))
+    echo(f"wrote {out / 'history.json'}" + (f" and {plot}" if plotted else
                                               " (no plot: matplotlib is not installed)"))
     return history

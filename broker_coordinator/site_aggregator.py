@@ -41,14 +41,15 @@ from edgefl_protocol.algorithms.base import ServerRule
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights
+from models.objectives import Objective
 
 from . import limits
 from .aggregation import StreamingMean
 from .coordinator import Coordinator
 from .intake import UpdateIntake
 from .metrics import Metrics
-from .partials import (Partial, SiteTask, decode_site_task, encode_partial, make_partial, site_topic,
-                       summarize)
+from .partials import (Partial, SiteTask, decode_site_task, encode_partial, make_partial, pooled_evaluation,
+                       site_topic, summarize)
 from .robust import RobustRound
 from .round_settings import RoundSettings
 from .rounds import Round, RoundState
@@ -123,6 +124,7 @@ class SiteWorker(UpdateIntake):
         self.max_values = sum(math.prod(s) for s in self.specs.values())
         self.max_update_bytes = limits.update_cap(self.specs)
         self.metrics, self.store, self.admission = Metrics(), None, None
+        self.objective = Objective()
         self.rejections: Counter[str] = Counter()
         self.accepted: dict[tuple[str, int, int], str] = {}
         self.closed_at: dict[int, float] = {}
@@ -271,6 +273,7 @@ class SiteWorker(UpdateIntake):
             self.sample_weights = SampleWeights(rules.get("weighting", "capped"), rules.get("weight_cap", 2.0))
             self.norm_bound = NormBound(rules.get("norm_bound", 1.5))
         self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, aggregator="mean", **rules)
+        self.objective = Objective.of(task.task, task.loss)
         self.algorithm = algorithms.get(task.algorithm)
         self.server_rule = SiteRule(self.algorithm.server(task.hparams))
         self.server_rule.start_round(site_task.round, len(self.online))
@@ -280,7 +283,8 @@ class SiteWorker(UpdateIntake):
         self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)
         self.sample_weights.start_round()
         rnd = Round(site_task.round, site_task.attempt, cohort, task.deadline, task.model_version,
-                    RobustRound(self.specs, self.norm_bound, "mean", normalize_steps=self.settings.normalize_steps))
+                    RobustRound(self.specs, self.norm_bound, "mean", normalize_steps=self.settings.normalize_steps),
+                    train=task.train)
         rnd.move(RoundState.COLLECTING)
         return rnd
 
@@ -311,7 +315,8 @@ class SiteWorker(UpdateIntake):
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,
                             self.extras, rejected=dict(rnd.rejected), refused=len(rnd.refused), clipped=clipped,
                             bytes_up=rnd.bytes_up, summary=summarize(rnd.device_metrics), observed=observed,
-                            selected=len(rnd.cohort) if self.leader else 0)
+                            selected=len(rnd.cohort) if self.leader else 0,
+                            evaluation=pooled_evaluation(rnd.evaluations))
 
     def _send_partial(self, rnd: Round, why: str) -> None:
         key = (rnd.number, rnd.attempt)

@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, closed TEXT NOT NULL,
     selected INTEGER, participants INTEGER, accuracy REAL, loss REAL, bytes_up INTEGER,
-    seconds REAL, rejected TEXT, base_sha256 TEXT, model_sha256 TEXT, finished_at REAL, reason TEXT);
+    seconds REAL, rejected TEXT, base_sha256 TEXT, model_sha256 TEXT, finished_at REAL, reason TEXT,
+    metric TEXT, score REAL, federated TEXT);
 CREATE INDEX IF NOT EXISTS rounds_round ON rounds (round, attempt);
 CREATE TABLE IF NOT EXISTS device_rounds (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, device TEXT NOT NULL,
@@ -46,7 +47,9 @@ CREATE TABLE IF NOT EXISTS presence (
 CHECKPOINT = "checkpoint.msgpack"
 HISTORY_DIR = "checkpoints"
 ROUND_COLUMNS = ("round", "attempt", "closed", "selected", "participants", "accuracy", "loss", "bytes_up",
-                 "seconds", "rejected", "base_sha256", "model_sha256", "finished_at", "reason")
+                 "seconds", "rejected", "base_sha256", "model_sha256", "finished_at", "reason",
+                 "metric", "score", "federated")
+ADDED_COLUMNS = {"metric": "TEXT", "score": "REAL", "federated": "TEXT"}  # since the task's metric is named
 
 
 class StoreError(Exception):
@@ -80,6 +83,7 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
         self.db.executescript(SCHEMA)
+        self._add_columns()
         self._device_rows: list[tuple] = []  # buffered: one transaction per round, not one per update
 
     def _migrate(self) -> None:
@@ -93,6 +97,13 @@ class Store:
         self.db.executescript(f"BEGIN; ALTER TABLE rounds RENAME TO rounds_old; {rounds_table} "
                               f"INSERT INTO rounds ({shared}) SELECT {shared} FROM rounds_old ORDER BY round, attempt; "
                               "DROP TABLE rounds_old; COMMIT;")
+
+    def _add_columns(self) -> None:
+        """Databases from before a column existed get it (NULL in their old rows)."""
+        columns = {r[1] for r in self.db.execute("PRAGMA table_info(rounds)")}
+        for name, kind in ADDED_COLUMNS.items():
+            if name not in columns:
+                self.db.execute(f"ALTER TABLE rounds ADD COLUMN {name} {kind}")
 
     # checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
@@ -167,7 +178,8 @@ class Store:
             f"INSERT INTO rounds ({', '.join(ROUND_COLUMNS)}) VALUES ({', '.join('?' * len(ROUND_COLUMNS))})",
             (r["round"], r["attempt"], r["closed"], r["selected"], r["participants"], r["accuracy"], r["loss"],
              r["bytes_up"], r["seconds"], json.dumps(r["rejected"]), r.get("base_sha256"), r.get("model_sha256"),
-             time.time(), r.get("reason", "")))
+             time.time(), r.get("reason", ""), r.get("metric"), r.get("score"),
+             json.dumps(r["federated"]) if r.get("federated") else None))
 
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
                             metrics: dict[str, Any] | None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
+from models.objectives import Evaluation
 
 from .coordinator import Coordinator, RoundFailed, RoundRecord
 from .partials import (SiteTask, TreeSum, all_site_topics, decode_partial, encode_site_task, parse_site_topic,
@@ -145,6 +146,7 @@ class TreeCoordinator(Coordinator):
         expected = {f"{site}/{w}" for site in share for w in range(self.sites[site].workers)}
         rnd = self._open_round(round_no, attempt, expected, deadline, self.population())
         rnd.aggregate = TreeSum(self.specs, s.normalize_steps, self.extra_specs)  # type: ignore[assignment]
+        rnd.train = not s.evaluation_only(round_no)
         self.extras = rnd.aggregate.extras
         if self.on_state:
             self.on_state(rnd)
@@ -155,7 +157,9 @@ class TreeCoordinator(Coordinator):
             return rnd
         self._publish_model(deadline)
         task = messages.Task(round_no, self.version, deadline - site_margin(s.round_timeout), s.algorithm,
-                             s.task_hparams(round_no), self.server_rule.broadcast(), s.codec, attempt)
+                             s.task_hparams(round_no), self.server_rule.broadcast(), s.codec, attempt,
+                             self.objective.task, self.objective.loss,
+                             evaluate=self.evaluate_devices or not rnd.train, train=rnd.train)
         rules = {name: getattr(s, name) for name in TRUST_RULES}
         payload = messages.encode("task", task)
         assert self.session is not None
@@ -166,7 +170,7 @@ class TreeCoordinator(Coordinator):
         for topic in unsent:
             log.error("round %d: the task for site %s could not be published", round_no, topic.split("/")[3])
         self._collect(rnd, deadline)
-        count = rnd.aggregate.count
+        count = _devices_counted(rnd)
         if self.stopping.is_set():
             self._set_state(rnd, RoundState.ABANDONED, "coordinator shutting down")
         elif count >= s.min_updates:
@@ -209,6 +213,10 @@ class TreeCoordinator(Coordinator):
         current.weights_clipped += partial.clipped.get("weight", 0)
         current.device_metrics[sender] = {"updates": partial.count, "selected": partial.selected,
                                           "refused": partial.refused, "bytes_up": partial.bytes_up}
+        if partial.evaluation:  # the site's pooled evaluation: its count-weighted means, federated_score's way
+            score, loss, n, devices = partial.evaluation
+            current.evaluations[sender] = (score / n, loss / n, int(n))
+            current.device_metrics[sender]["evaluated"] = int(devices)
         for device, num_samples, metrics in partial.observed:
             try:
                 self.server_rule.observe(device, num_samples, metrics)
@@ -240,11 +248,14 @@ class TreeCoordinator(Coordinator):
         return self._conclude(rnd, base_sha)
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
-                accuracy: float = float("nan"), loss: float = float("nan")) -> RoundRecord:
-        record = super()._record(rnd, base_sha, model_sha, closed, accuracy, loss)
-        if isinstance(rnd.aggregate, TreeSum):
+                central: Evaluation | None = None) -> RoundRecord:
+        record = super()._record(rnd, base_sha, model_sha, closed, central)
+        if isinstance(rnd.aggregate, TreeSum):  # counts of devices, not of partials
             record.clipped = dict(Counter(rnd.aggregate.bounded))
             record.selected = sum(m.get("selected", 0) for m in rnd.device_metrics.values())
+            record.participants = _devices_counted(rnd)
+            if record.federated:
+                record.federated["devices"] = rnd.aggregate.reports
         return record
 
     def wait_for_devices(self, count: int, timeout: float, progress: Any = None) -> None:
@@ -256,6 +267,13 @@ class TreeCoordinator(Coordinator):
                 raise TimeoutError(f"only {self._eligible_devices()} of {count} devices were online and idle at "
                                    f"the sites within {timeout:.0f} s")
             self._drain(0.2)
+
+
+def _devices_counted(rnd: Round) -> int:
+    """Devices that count towards the quorum: updates folded, or (evaluation-only) devices reporting."""
+    aggregate = rnd.aggregate
+    assert isinstance(aggregate, TreeSum)
+    return aggregate.count if rnd.train else aggregate.reports
 
 
 def _count(profile: Mapping[str, Any], key: str) -> int:

@@ -38,10 +38,12 @@ from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.task_limits import check_training
 from edgefl_protocol.transport import Session
-from models.architectures import ARCHITECTURES, build_model, get_weights, set_weights
-from models.datasets import load_npz
+from models.architectures import ModelError, build_model, fingerprint, get_weights, resolve, set_weights
+from models.datasets import DatasetError
+from models.objectives import Objective
 
 from .config import AgentConfig
+from .data_sources import DataSource, LocalData, check_fits, open_source
 from .hardware import calibrate, default_threads, plan_epochs, probe
 from .runtime import record_session
 from .state import DeviceState, atomic_write
@@ -75,7 +77,9 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.fed, self.device = config.device.federation, config.device.id
-        self.data = load_npz(config.device.data)
+        self.sources: dict[str, DataSource] = {}  # task kind -> the local data source, opened at the first task
+        if config.data.source != "spool" and not Path(config.data.path).exists():  # a spool may come later
+            raise DatasetError(f"local data file {config.data.path} does not exist (set [data] path)")
         self.tasks: queue.Queue[messages.Task] = queue.Queue(maxsize=16)
         self.models: dict[int, tuple[messages.ModelRelease, bytes]] = {}  # version -> manifest, verified body
         self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
@@ -94,7 +98,7 @@ class Agent:
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
         threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
-        self.profile = {**probe(), "threads": threads, "samples": len(self.data)}
+        self.profile = {**probe(), "threads": threads, "samples": 0}  # samples: as of the last round
         b = config.broker
         self.session = Session(self.device, b.username, b.password, b.host, b.port, self._on_connect,
                                self._on_message, keepalive=b.keepalive,
@@ -225,8 +229,7 @@ class Agent:
         """Training samples/s for this model: calibrated once, then refined by every real round."""
         speeds = self.state.data.setdefault("samples_per_s", {})
         if arch not in speeds:
-            spec = ARCHITECTURES[arch]
-            speeds[arch] = calibrate(model, spec.input_shape, spec.num_classes)
+            speeds[arch] = calibrate(model, resolve(arch).input_shape)
             log.info("calibrated %s: %.0f training samples/s", arch, speeds[arch])
         return float(speeds[arch])
 
@@ -255,7 +258,9 @@ class Agent:
         release, body = got
         try:
             algorithm = algorithms.get(task.algorithm)
-            model = build_model(release.arch)
+            objective = Objective.of(task.task, task.loss)
+            model = self._installed_model(release)
+            data = self._local_data(task, release.arch, objective)
             tensors = downlink.decode_weights(release, body, None, MAX_MODEL_VALUES)
             specs = codec.specs_of(get_weights(model))
             if any(name not in tensors or tensors[name].shape != shape for name, shape in specs.items()):
@@ -272,21 +277,83 @@ class Agent:
             return
         self._remember_model(release, body)
         try:
-            self._train_and_send(task, release, algorithm, model)
+            evaluation = self._evaluate(task, model, data, objective)
+            if not task.train:
+                self._report(task, evaluation)
+                return
+            self._train_and_send(task, release, algorithm, model, data, objective, evaluation)
         except Rejected as exc:
             log.error("round %d: task rejected: %s", task.round, exc)
             self._refuse(task, exc)
         except Exception:  # a bug or a hostile task must not take the device's service down
             log.exception("round %d: task failed; waiting for the next one", task.round)
 
+    def _installed_model(self, release: messages.ModelRelease) -> torch.nn.Module:
+        """The release's model as installed here; refused (Rejected) when this machine cannot build it
+        or builds a different one (another version of the user's package)."""
+        try:
+            model = build_model(release.arch)
+        except ModelError as exc:
+            raise Rejected("unknown_model", str(exc)) from None
+        if release.fingerprint and fingerprint(model) != release.fingerprint:
+            names = ", ".join(f"{n} {tuple(p.shape)}" for n, p in list(model.named_parameters())[:3])
+            raise Rejected("model_mismatch", f"the installed {release.arch} ({names}, ...) differs from the "
+                                             f"coordinator's (fingerprint {fingerprint(model)[:12]} vs "
+                                             f"{release.fingerprint[:12]}): install the same version of the "
+                                             "model's package here and on the coordinator")
+        return model
+
+    def _local_data(self, task: messages.Task, arch: str, objective: Objective) -> LocalData:
+        """This round's local data (the spool source reads what is new), checked against the model."""
+        source = self.sources.get(objective.task)
+        try:
+            if source is None:
+                source = self.sources[objective.task] = open_source(self.config.data, objective.task)
+            data = source.read()
+            spec = resolve(arch)
+            check_fits(data.train if len(data.train) else data.held_out, spec.input_shape, objective.task,
+                       spec.num_classes, model=arch, where=self.config.data.path)
+        except (DatasetError, ValueError) as exc:  # unreadable, empty, or not this model's data
+            raise Rejected("data_unusable", f"{exc}") from None
+        if len(data.train) == 0 and task.train:
+            raise Rejected("data_unusable", f"no training samples yet ({source.describe()})")
+        self.profile["samples"] = len(data.train)
+        log.info("round %d: local data: %s (%d to train, %d held out)", task.round, source.describe(),
+                 len(data.train), len(data.held_out))
+        return data
+
+    def _evaluate(self, task: messages.Task, model: torch.nn.Module, data: LocalData,
+                  objective: Objective) -> dict[str, float | int | str]:
+        """The received model's metric on the held-out slice, when the task asks (eval_* metrics)."""
+        if not task.evaluate:
+            return {}
+        if len(data.held_out) == 0:
+            if not task.train:
+                raise Rejected("no_holdout", "asked to evaluate, but no local data is held out: set [data] holdout")
+            log.warning("round %d: asked to evaluate, but no local data is held out ([data] holdout = 0)", task.round)
+            return {}
+        result = objective.evaluate(model, data.held_out)
+        model.train()
+        log.info("round %d: model version %d on %d held-out samples: %s %s", task.round, task.model_version,
+                 result.count, result.metric, objective.format(result.score))
+        return {"eval_metric": result.metric, "eval_score": result.score, "eval_loss": result.loss,
+                "eval_count": result.count}
+
+    def _report(self, task: messages.Task, evaluation: dict) -> None:
+        report = messages.EvalReport(self.device, task.round, task.attempt, task.model_version,
+                                     str(evaluation["eval_metric"]), float(evaluation["eval_score"]),
+                                     float(evaluation["eval_loss"]), int(evaluation["eval_count"]), self.fed)
+        self._deliver(task, messages.encode_report(report, self.key or b""), "evaluation report")
+
     def _train_and_send(self, task: messages.Task, release: messages.ModelRelease,
-                        algorithm: algorithms.Algorithm, model: torch.nn.Module) -> None:
+                        algorithm: algorithms.Algorithm, model: torch.nn.Module, data: LocalData,
+                        objective: Objective, evaluation: dict) -> None:
         hp = task.hparams
         settings = local_settings(hp)
         epochs, epochs_reason = settings.epochs, "fixed by the coordinator"
         if epochs == 0:
             rule_state = self.state.section(algorithm.name)
-            plan = plan_epochs(self._speed(release.arch, model), len(self.data), task.deadline - time.time(),
+            plan = plan_epochs(self._speed(release.arch, model), len(data.train), task.deadline - time.time(),
                                tau=float(rule_state.get("tau", 0.0)),
                                passes_per_step=float(hp.get("passes_per_step", 1.0)))
             epochs, epochs_reason = plan.epochs, plan.reason
@@ -297,13 +364,15 @@ class Agent:
         self.busy = True
         self._announce()
         try:
-            result = train_locally(model, self.data, rule, settings, seed, should_stop=self.stopping.is_set)
+            result = train_locally(model, data.train, rule, settings, seed, should_stop=self.stopping.is_set,
+                                   objective=objective)
         except Stopped:
             log.warning("round %d: stopped mid-training by shutdown; no update sent", task.round)
             return
         finally:
             self.busy = False
         result.metrics["epochs_reason"] = epochs_reason
+        result.metrics.update(evaluation)
         speeds = self.state.data.setdefault("samples_per_s", {})
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured

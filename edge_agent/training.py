@@ -22,6 +22,7 @@ from torch import nn
 from edgefl_protocol.algorithms.base import ClientRule, Scalar
 from models.architectures import get_weights
 from models.datasets import Dataset
+from models.objectives import Objective
 
 from .optim import LocalSGD
 
@@ -56,14 +57,17 @@ def forward_backward(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
 
 
 def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: LocalSettings,
-                  seed: int, should_stop: Callable[[], bool] | None = None) -> LocalResult:
+                  seed: int, should_stop: Callable[[], bool] | None = None,
+                  objective: Objective = Objective()) -> LocalResult:
     started = time.perf_counter()
     start_weights = get_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
     global_params = [p.detach().clone() for p in params]
     optimizer = LocalSGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
     x_all, y_all = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    loss_fn = rule.loss_function(y_all)
+    # classification: the rule's loss (cross-entropy, or one that knows the local labels); regression:
+    # the error the operator chose
+    loss_fn = rule.loss_function(y_all) if objective.task == "classification" else objective.loss_function()
     generator = torch.Generator().manual_seed(seed)
     epochs = rule.local_epochs(settings.epochs)
     steps_per_epoch = math.ceil(len(y_all) / settings.batch_size)

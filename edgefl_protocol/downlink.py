@@ -26,13 +26,13 @@ def check_model_codec(name: str) -> None:
 
 
 def release(version: int, arch: str, weights, codec_name: str = "float32",
-            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[ModelRelease, list[bytes]]:
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "") -> tuple[ModelRelease, list[bytes]]:
     check_model_codec(codec_name)
     encoded = codec.encode(weights, codec_name)
     body = encoded.body
     chunks = [body[i:i + chunk_bytes] for i in range(0, len(body), chunk_bytes)] or [b""]
     manifest = ModelRelease(version, arch, encoded.codec, encoded.specs, len(body),
-                            hashlib.sha256(body).hexdigest(), len(chunks), chunk_bytes)
+                            hashlib.sha256(body).hexdigest(), len(chunks), chunk_bytes, fingerprint)
     return manifest, chunks
 
 

@@ -1,6 +1,6 @@
 """Message schemas. Every message is one msgpack map:
 
-    {"schema": 1, "kind": "task" | "update" | "refusal" | "receipt" | "model" | "status", ...header fields...,
+    {"schema": 1, "kind": "task" | "update" | "refusal" | "report" | "receipt" | "model" | "status", ...header fields...,
      "body": <bytes or absent>}
 
 Tensors ride in `body` as separately encoded bytes (see `codec`), described
@@ -42,6 +42,10 @@ class Task:
     broadcast: dict[str, Scalar] = field(default_factory=dict)
     codec: str = "float32"
     attempt: int = 1  # rounds are retried with a new cohort; an answer is for one attempt
+    task: str = "classification"  # what the model learns: classification | regression (models.objectives)
+    loss: str = "cross_entropy"  # the loss to train with: cross_entropy | mse | mae
+    evaluate: bool = False  # evaluate the received model on the held-out slice first (metrics eval_*)
+    train: bool = True  # False: an evaluation-only round; answer with a `report`, no update
 
 
 @dataclass
@@ -73,6 +77,21 @@ class Refusal:
 
 
 @dataclass
+class EvalReport:
+    """A device's answer to an evaluation-only task: the received model's metric on its held-out slice."""
+
+    device: str
+    round: int
+    attempt: int
+    model_version: int
+    metric: str
+    score: float
+    loss: float
+    count: int  # held-out samples it was measured on
+    federation: str = ""
+
+
+@dataclass
 class Receipt:
     """The coordinator's verdict on one answer: the device stops resending once it has it."""
 
@@ -100,6 +119,7 @@ class ModelRelease:
     sha256: str
     chunks: int
     chunk_bytes: int
+    fingerprint: str = ""  # models.architectures.fingerprint: parameter names, shapes and dtypes
 
 
 @dataclass
@@ -178,7 +198,16 @@ def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
         broadcast=_scalars(obj, "broadcast"),
         codec=_field(obj, "codec", str),
         attempt=_attempt(obj),
+        task=_optional(obj, "task", str, "classification"),
+        loss=_optional(obj, "loss", str, "cross_entropy"),
+        evaluate=_optional(obj, "evaluate", bool, False),
+        train=_optional(obj, "train", bool, True),
     )
+
+
+def _optional(obj: dict[str, Any], name: str, types: type, default: Any) -> Any:
+    """A field newer senders add: absent means the default, present must have the right type."""
+    return _field(obj, name, types) if name in obj else default
 
 
 def encode_update(update: Update, key: bytes) -> bytes:
@@ -190,24 +219,46 @@ def encode_refusal(refusal: Refusal, key: bytes) -> bytes:
     return signing.sign(encode("refusal", refusal), key)
 
 
-def decode_answer(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Update | Refusal:
+def encode_report(report: EvalReport, key: bytes) -> bytes:
+    return signing.sign(encode("report", report), key)
+
+
+Answer = Update | Refusal | EvalReport
+
+
+def decode_answer(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Answer:
     """What a device published on its update topic: size cap, then the signature (with `sender`'s
-    key), and only then the header, which is an update or a refusal."""
+    key), and only then the header, which is an update, a refusal or an evaluation report."""
     if len(data) > max_bytes:
         raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
-    obj = _unpack(signing.verify(data, key, sender), "update", max_bytes, also=("refusal",))
+    obj = _unpack(signing.verify(data, key, sender), "update", max_bytes, also=("refusal", "report"))
     if obj["kind"] == "refusal":
         return Refusal(device=_device(obj), round=_field(obj, "round", int), attempt=_attempt(obj),
                        reason=_string(obj, "reason"), detail=_string(obj, "detail"),
                        federation=_field(obj, "federation", str))
+    if obj["kind"] == "report":
+        return _report(obj)
     return _update(obj)
+
+
+def _report(obj: dict[str, Any]) -> EvalReport:
+    report = EvalReport(device=_device(obj), round=_field(obj, "round", int), attempt=_attempt(obj),
+                        model_version=_field(obj, "model_version", int), metric=_string(obj, "metric"),
+                        score=float(_field(obj, "score", (int, float))), loss=float(_field(obj, "loss", (int, float))),
+                        count=_field(obj, "count", int), federation=_field(obj, "federation", str))
+    if report.count <= 0:
+        raise Rejected("schema", f"an evaluation report needs a positive sample count, got {report.count}")
+    if not (math.isfinite(report.score) and math.isfinite(report.loss)):
+        raise Rejected("non_finite", f"evaluation report score {report.score} / loss {report.loss} is not finite")
+    return report
 
 
 def decode_update(data: bytes, max_bytes: int, key: bytes | None, sender: str = "sender") -> Update:
     """An update only (a refusal is rejected): see `decode_answer`."""
     answer = decode_answer(data, max_bytes, key, sender)
     if not isinstance(answer, Update):
-        raise Rejected("schema", "expected a update message, got kind 'refusal'")
+        kind = "refusal" if isinstance(answer, Refusal) else "report"
+        raise Rejected("schema", f"expected an update message, got kind {kind!r}")
     return answer
 
 
@@ -257,6 +308,7 @@ def decode_model(data: bytes, max_bytes: int) -> ModelRelease:
         sha256=_field(obj, "sha256", str),
         chunks=_field(obj, "chunks", int),
         chunk_bytes=_field(obj, "chunk_bytes", int),
+        fingerprint=_optional(obj, "fingerprint", str, ""),
     )
     if not 0 <= release.size <= max_bytes:
         raise Rejected("oversized", f"model declares {release.size} bytes, the cap is {max_bytes}")

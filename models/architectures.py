@@ -1,11 +1,22 @@
-"""CPU-sized architectures, small enough to train on a Raspberry Pi.
+"""CPU-sized architectures, small enough to train on a Raspberry Pi, and the user's own.
+
+A model is named either by a built-in name (`mnist_cnn`, ...) or as
+`package.module:factory` from a Python package installed on the coordinator
+and on every device (code never travels over MQTT). A factory takes no
+arguments and returns a `torch.nn.Module` with an `input_shape` attribute (the
+shape of one sample); its outputs are found by one forward pass.
 
 Each builder is deterministic by seed: the same name and seed give the same
 initial weights on every machine (the coordinator's global model starts there).
+A model's fingerprint (parameter names, shapes, dtypes) travels with every
+release, so a device whose installed model differs refuses instead of training it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,7 +86,7 @@ class Architecture:
     name: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: int  # outputs per sample: classes, or regression targets
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -86,15 +97,70 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+class ModelError(ValueError):
+    """A model name that does not resolve to a usable model here, with what to do about it."""
+
+
+@functools.lru_cache(maxsize=32)
+def resolve(name: str) -> Architecture:
+    """The architecture a model name stands for: a built-in, or `package.module:factory`."""
+    if name in ARCHITECTURES:
+        return ARCHITECTURES[name]
+    if ":" not in name:
+        raise ModelError(f"unknown model {name!r}: choose one of {', '.join(ARCHITECTURES)}, "
+                         "or name your own as package.module:factory")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"model {name!r}: cannot import {module_name!r} ({exc}); install the package that "
+                         "provides it on this machine (pip install ...)") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelError(f"model {name!r}: {module_name} has no callable {attr!r}")
+    model = _call_factory(name, factory)
+    shape = getattr(model, "input_shape", None)
+    if (not isinstance(shape, (tuple, list)) or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise ModelError(f"model {name!r}: the module needs an input_shape attribute, the shape of one sample "
+                         f"as a tuple of positive ints (e.g. (3, 128)); got {shape!r}")
+    try:
+        with torch.no_grad():
+            output = model.eval()(torch.zeros((2, *shape)))
+    except Exception as exc:  # the user's code: say what failed instead of a traceback
+        raise ModelError(f"model {name!r}: a forward pass on zeros of shape (2, {', '.join(map(str, shape))}) "
+                         f"failed: {exc}") from None
+    if not isinstance(output, torch.Tensor) or output.ndim < 1 or output.shape[0] != 2:
+        raise ModelError(f"model {name!r}: forward must return a tensor of shape (batch, outputs)")
+    return Architecture(name, functools.partial(_call_factory, name, factory), tuple(shape),
+                        int(output[0].numel()))
+
+
+def _call_factory(name: str, factory: Callable[[], nn.Module]) -> nn.Module:
+    try:
+        model = factory()
+    except Exception as exc:
+        raise ModelError(f"model {name!r}: the factory failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model {name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def build_model(name: str, seed: int = 0) -> nn.Module:
     """A fresh model whose initial weights depend only on (name, seed)."""
-    try:
-        arch = ARCHITECTURES[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ARCHITECTURES)}") from None
+    arch = resolve(name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return arch.build()
+
+
+def fingerprint(model: nn.Module) -> str:
+    """sha256 over the trainable parameters' names, shapes and dtypes, in order: two installs of a
+    model agree on it exactly when an update from one fits the other."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return digest.hexdigest()
 
 
 def count_parameters(model: nn.Module) -> int:

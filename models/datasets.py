@@ -27,7 +27,7 @@ class DatasetError(Exception):
 @dataclass
 class Dataset:
     x: np.ndarray  # float32
-    y: np.ndarray  # int64
+    y: np.ndarray  # int64 class labels, or float32 regression targets
 
     def __len__(self) -> int:
         return len(self.y)
@@ -153,18 +153,26 @@ def save_npz(path: Path, data: Dataset) -> None:
     np.savez(path, x=data.x, y=data.y)
 
 
-def load_npz(path: Path | str) -> Dataset:
-    """A device's local data: an .npz with float `x` (N, ...) and integer labels `y` (N,)."""
+def load_npz(path: Path | str, task: str = "classification") -> Dataset:
+    """Local data or a test set: an .npz with float `x` (N, ...) and `y` (N,): integer labels for
+    classification, float targets ((N,) or (N, k)) for regression."""
     path = Path(path)
     try:
         with np.load(path, allow_pickle=False) as archive:
             x, y = archive["x"], archive["y"]
     except FileNotFoundError:
-        raise DatasetError(f"local data file {path} does not exist") from None
+        raise DatasetError(f"data file {path} does not exist") from None
     except (OSError, ValueError, KeyError) as exc:
-        raise DatasetError(f"cannot read local data {path}: {exc} (expected an .npz with arrays x and y)") from None
-    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
-        raise DatasetError(f"local data {path}: x must be (N, ...) and y (N,) with N > 0, got {x.shape} and {y.shape}")
-    if not np.issubdtype(y.dtype, np.integer) or not np.isfinite(x).all():
-        raise DatasetError(f"local data {path}: y must be integer labels and x finite")
+        raise DatasetError(f"cannot read data {path}: {exc} (expected an .npz with arrays x and y)") from None
+    regression = task == "regression"
+    if x.ndim < 2 or not (y.ndim == 1 or (regression and y.ndim == 2)) or len(x) != len(y) or len(y) == 0:
+        raise DatasetError(f"data {path}: x must be (N, ...) and y (N,) with N > 0, got {x.shape} and {y.shape}")
+    if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+        raise DatasetError(f"data {path}: x must be finite numbers")
+    if regression:
+        if not np.issubdtype(y.dtype, np.number) or not np.isfinite(y).all():
+            raise DatasetError(f"data {path}: y must be finite numeric targets for a regression task")
+        return Dataset(x.astype(np.float32), y.astype(np.float32))
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DatasetError(f"data {path}: y must be integer class labels for a classification task, got {y.dtype}")
     return Dataset(x.astype(np.float32), y.astype(np.int64))

@@ -62,7 +62,7 @@ def test_default_threads_is_one_for_a_cuda_build_on_an_armv8_0_core(monkeypatch)
 
 def test_calibration_measures_a_positive_speed():
     arch = ARCHITECTURES["digits_mlp"]
-    assert calibrate(build_model("digits_mlp"), arch.input_shape, arch.num_classes, seconds=0.1) > 0
+    assert calibrate(build_model("digits_mlp"), arch.input_shape, seconds=0.1) > 0
 
 
 def test_epochs_follow_speed_between_three_and_eight():

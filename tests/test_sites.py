@@ -39,6 +39,8 @@ def signed_update(device: str, key: bytes, task: messages.Task, specs: dict, rng
     encoded = codec.encode(tensors, task.codec)
     update = messages.Update(device, task.round, task.model_version, num_samples,
                              {"steps": int(rng.integers(1, 9)), "sigma": float(rng.uniform()), "gamma": 0.5,
+                              "eval_metric": "accuracy", "eval_score": float(rng.uniform()),
+                              "eval_loss": float(rng.uniform(0, 3)), "eval_count": int(rng.integers(5, 50)),
                               **(metrics or {})},
                              encoded.body, encoded.codec, encoded.specs, FED, task.attempt)
     return messages.encode_update(update, key)
@@ -57,7 +59,7 @@ def fleet(sites: dict[str, int]) -> dict[str, str]:
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedsmoo", "dynsam"])
 def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorithm):
     settings = RoundSettings(algorithm=algorithm, codec="float32", aggregator="mean", norm_bound=0,
-                             weighting="reported", normalize_steps=True, round_timeout=60)
+                             weighting="reported", normalize_steps=True, round_timeout=60, evaluate="both")
     where = fleet({"north": 4, "south": 3, "east": 2})
     keys = {d: signing.new_key() for d in where}
     site_keys = {s: signing.new_key() for s in set(where.values())}
@@ -92,6 +94,11 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
         assert algorithm != "dynsam" or all(set(row[2]) == {"sigma", "gamma"} for row in observed)
 
     assert tree_record.participants == flat_record.participants == len(where)
+    # the devices' evaluations of the model they received, pooled per site: the same federated score
+    assert tree_record.federated["count"] == flat_record.federated["count"]
+    assert tree_record.federated["devices"] == flat_record.federated["devices"] == len(where)
+    assert tree_record.federated["score"] == pytest.approx(flat_record.federated["score"], rel=1e-12)
+    assert tree_record.federated["loss"] == pytest.approx(flat_record.federated["loss"], rel=1e-12)
     for name in flat.weights:
         np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
     assert tree.server_rule.broadcast() == pytest.approx(flat.server_rule.broadcast())
