@@ -45,7 +45,7 @@ from models.objectives import Objective
 
 from . import limits
 from .aggregation import StreamingMean
-from .coordinator import Coordinator
+from .coordinator import REPLAY_ROUNDS, Coordinator
 from .intake import UpdateIntake
 from .metrics import Metrics
 from .partials import (Partial, SiteTask, decode_site_task, encode_partial, make_partial, pooled_evaluation,
@@ -322,6 +322,8 @@ class SiteWorker(UpdateIntake):
         key = (rnd.number, rnd.attempt)
         self.sent.add(key)
         self.closed_at[rnd.number] = time.time()
+        # the replay guard needs only recent rounds, as the coordinator's (older answers are late anyway)
+        self.accepted = {k: v for k, v in self.accepted.items() if k[1] > rnd.number - REPLAY_ROUNDS}
         partial = self.partial(rnd)
         payload = encode_partial(partial, self.site_key)
         assert self.session is not None
