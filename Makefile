@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-quick, attacks, fault-drill, spool, pi-check, service-check.
+# field, field-quick, attacks, fault-drill, scale, spool, pi-check, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
@@ -26,8 +26,9 @@ EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 # (broker_coordinator/fleet.py); without root, simulate says what is missing and runs without
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
+SCALE_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick spool
+.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -47,6 +48,9 @@ attacks: setup            # bench/results/attacks.json, attacks.md (about an hou
 
 fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (about 3 minutes)
 	$(BIN)/python -m bench.fault_drill
+
+scale: setup mosquitto  # bench/results/scale.json, scale.md (10,000 emulated devices, flat and in 4 sites)
+	nice -n 10 $(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
 	nice -n 10 $(BIN)/python -m bench.spool
