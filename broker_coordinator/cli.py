@@ -187,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--config", required=True, help="coordinator TOML config")
     back.add_argument("--to", type=_bounded(int, 1), required=True, metavar="ROUND", help="the round to go back to")
     back.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    site = sub.add_parser("site-aggregator", help="aggregate a site's updates beside its broker (see sites.py)",
+                          description="Task the site's devices for each site task, validate and fold their "
+                                      "updates, and send one signed partial per round up the bridge. The config "
+                                      "comes from 'broker-config --site NAME'.")
+    site.add_argument("--config", required=True, help="the site's aggregator.toml")
+    site.add_argument("--worker", type=_bounded(int, 0, 63), default=0,
+                      help="this worker's index (0 also tasks the devices and reports presence)")
+    site.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from .operator_cli import add_operator_commands
     add_operator_commands(sub)
     return parser
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if hasattr(args, "run"):
             return args.run(args)
+        if args.command == "site-aggregator":
+            from . import site_service
+            return site_service.run(args.config, args.worker, lambda line: print(line, flush=True))
         from . import service
         from .config import load_config
         config = load_config(args.config)

@@ -324,9 +324,7 @@ class Coordinator(UpdateIntake):
                                           min(deadline, time.time() + 60))
         for topic in unsent:
             log.error("round %d: the task for %s could not be published", round_no, topic.split("/")[3])
-        self._set_state(rnd, RoundState.COLLECTING)
-        while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
-            self._drain(min(0.5, deadline - time.time()), rnd)
+        self._collect(rnd, deadline)
         count = rnd.counted
         if self.stopping.is_set():
             self._set_state(rnd, RoundState.ABANDONED, "coordinator shutting down")
@@ -343,6 +341,12 @@ class Coordinator(UpdateIntake):
                 why += f"; {len(unsent)} tasks could not be published"
             self._set_state(rnd, RoundState.ABANDONED, why)
         return rnd
+
+    def _collect(self, rnd: Round, deadline: float) -> None:
+        """Take answers as they arrive until every expected one is in, the deadline, or shutdown."""
+        self._set_state(rnd, RoundState.COLLECTING)
+        while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
+            self._drain(min(0.5, deadline - time.time()), rnd)
 
     def run_round(self, round_no: int | None = None) -> RoundRecord:
         """Run the next round to its end, retrying with a new cohort while there is no quorum."""
