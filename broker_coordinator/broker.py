@@ -245,6 +245,8 @@ class PrivateBroker:
     mosquitto: str | None = None
     host: str = "127.0.0.1"
     max_queued_messages: int = 1000
+    extra_acl: str = ""  # appended to the generated ACL (e.g. a site bridge's user, see `sites`)
+    extra_conf: str = ""  # appended to the generated config (e.g. a bridge's `connection` block)
     process: subprocess.Popen | None = None
 
     def add_user(self, name: str) -> str:
@@ -262,10 +264,11 @@ class PrivateBroker:
         self.workdir.mkdir(parents=True, exist_ok=True)
         passwd, acl, conf = self.workdir / "passwd", self.workdir / "acl", self.workdir / "mosquitto.conf"
         _write_private(passwd, render_password_file(self.users))
-        _write_private(acl, render_acl(self.federation, COORDINATOR_USER, self.users))
+        _write_private(acl, render_acl(self.federation, COORDINATOR_USER, self.users) + self.extra_acl)
         run_as = _current_user() if os.geteuid() == 0 else None
         _write_private(conf, render_config(self.port, passwd, acl, self.max_packet_size, self.host, run_as,
-                                                max(self.max_queued_messages, 2 * len(self.users))))
+                                                max(self.max_queued_messages, 2 * len(self.users)))
+                       + self.extra_conf)
         log = self.workdir / "mosquitto.log"
         with open(log, "wb") as out:
             self.process = subprocess.Popen([binary, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT,

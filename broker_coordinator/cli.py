@@ -149,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
+    sim.add_argument("--mode", choices=["sync", "buffered"], default=defaults.mode,
+                     help="sync: lock-step rounds; buffered: asynchronous FedBuff-style versions, --rounds of them "
+                          "(see broker_coordinator/buffered.py)")
+    sim.add_argument("--buffer-size", type=_bounded(int, 1), default=defaults.buffer_size, metavar="K",
+                     help="buffered: accepted updates per applied version")
+    sim.add_argument("--max-staleness", type=_bounded(int, 0), default=defaults.max_staleness, metavar="S",
+                     help="buffered: accept updates trained up to S versions ago; older ones are dropped")
+    sim.add_argument("--staleness-weight", choices=["inverse_sqrt", "constant"], default=defaults.staleness_weight,
+                     help="buffered: an update s versions old counts 1/sqrt(1+s) (inverse_sqrt) or 1")
     from .fleet import parse_churn, parse_fleet
     sim.add_argument("--fleet", type=_checked_by(parse_fleet), default=None, metavar="CLASS:N,...",
                      help="emulate a mixed fleet, e.g. zero2w:4,pi3:4,pi4:8,pi5:4 (counts add up to --agents): "
@@ -186,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--config", required=True, help="coordinator TOML config")
     back.add_argument("--to", type=_bounded(int, 1), required=True, metavar="ROUND", help="the round to go back to")
     back.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    site = sub.add_parser("site-aggregator", help="aggregate a site's updates beside its broker (see sites.py)",
+                          description="Task the site's devices for each site task, validate and fold their "
+                                      "updates, and send one signed partial per round up the bridge. The config "
+                                      "comes from 'broker-config --site NAME'.")
+    site.add_argument("--config", required=True, help="the site's aggregator.toml")
+    site.add_argument("--worker", type=_bounded(int, 0, 63), default=0,
+                      help="this worker's index (0 also tasks the devices and reports presence)")
+    site.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from .operator_cli import add_operator_commands
     add_operator_commands(sub)
     return parser
@@ -212,7 +229,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                              selection=args.selection, min_updates=args.min_updates,
                              normalize_steps=args.normalize_steps, model_codec=args.model_codec,
                              serve_average=args.serve_average, hparams=dict(args.hparam),
-                             evaluate=args.evaluate, eval_only_every=args.eval_only_every,
+                             evaluate=args.evaluate, eval_only_every=args.eval_only_every, mode=args.mode,
+                             buffer_size=args.buffer_size, max_staleness=args.max_staleness,
+                             staleness_weight=args.staleness_weight,
                              downlink=args.downlink, downlink_codec=args.downlink_codec,
                              downlink_chain=args.downlink_chain)
     if args.codec:
@@ -250,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if hasattr(args, "run"):
             return args.run(args)
+        if args.command == "site-aggregator":
+            from . import site_service
+            return site_service.run(args.config, args.worker, lambda line: print(line, flush=True))
         from . import service
         from .config import load_config
         config = load_config(args.config)

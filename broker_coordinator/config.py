@@ -54,18 +54,27 @@
     port = 9464                          # Prometheus endpoint; 0 = off
     bind = "127.0.0.1"
 
+    [sites.north]                        # optional: the federation in sites (see broker_coordinator/sites.py)
+    devices = "north-*"                  # glob patterns over device ids, comma-separated
+    workers = 1                          # site aggregator processes sharing the site's updates
+    host = "site-north.example"          # the site broker, as its devices and workers reach it
+    port = 1883
+    bridge_tls = "auto"                  # auto = TLS when this broker has TLS | on | off
+
 Environment overrides: EDGEFL_COORDINATOR_<SECTION>_<KEY>, e.g.
 EDGEFL_COORDINATOR_BROKER_PASSWORD.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgefl_protocol import topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
+
+from .sites import SiteSettings
 
 ENV_PREFIX = "EDGEFL_COORDINATOR"
 DEFAULT_PATH = Path("/etc/edgefl/coordinator.toml")
@@ -176,13 +185,14 @@ class CoordinatorConfig:
     enrollment: EnrollmentSettings
     metrics: MetricsSettings
     path: Path
+    sites: dict[str, SiteSettings] = field(default_factory=dict)  # empty: a flat federation
 
     @property
     def registry_path(self) -> Path:
         return Path(self.storage.state_dir) / REGISTRY_FILE
 
 
-SECTIONS = ("federation", "broker", "rounds", "storage", "enrollment", "metrics")
+SECTIONS = ("federation", "broker", "rounds", "storage", "enrollment", "metrics", "sites")
 
 
 def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
@@ -216,6 +226,14 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
             rounds.evaluation(bool(federation.test_data))
         except ValueError as exc:
             raise ConfigError(f"{path} [rounds]: {exc}") from None
+    sites = {}
+    for name, table in raw.get("sites", {}).items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: sites.{name} must be a table ([sites.{name}])")
+        sites[name] = build_section(SiteSettings, {"name": name, **table}, f"{path} [sites.{name}]")
+    if sites and rounds is not None and rounds.aggregator != "mean":
+        raise ConfigError(f"{path} [rounds]: aggregator = {rounds.aggregator!r} cannot run in sites (a site sends "
+                          "up sums, not the deltas a median needs): set aggregator = \"mean\"")
     return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
                              section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
-                             section(MetricsSettings, "metrics"), path)
+                             section(MetricsSettings, "metrics"), path, sites)

@@ -319,11 +319,15 @@ class Coordinator(UpdateIntake):
             self.session.publish(topic, b"", qos=1, retain=True)
         self._retained_deltas = kept
         if self._published:  # clear the previous version's retained copies
-            old, count = self._published
-            self.session.publish(topics.model(self.fed, old), b"", qos=1, retain=True)
-            for i in range(count):
-                self.session.publish(topics.model_chunk(self.fed, old, i), b"", qos=1, retain=True)
+            self._clear_release(*self._published)
         self._published = (self.version, len(chunks))
+
+    def _clear_release(self, version: int, chunks: int) -> None:
+        """Remove a model version's retained manifest and chunks from the broker."""
+        assert self.session is not None
+        self.session.publish(topics.model(self.fed, version), b"", qos=1, retain=True)
+        for i in range(chunks):
+            self.session.publish(topics.model_chunk(self.fed, version, i), b"", qos=1, retain=True)
 
     def _set_state(self, rnd: Round, state: RoundState, reason: str = "") -> None:
         rnd.move(state, reason)
@@ -366,9 +370,7 @@ class Coordinator(UpdateIntake):
                                           min(deadline, time.time() + 60))
         for topic in unsent:
             log.error("round %d: the task for %s could not be published", round_no, topic.split("/")[3])
-        self._set_state(rnd, RoundState.COLLECTING)
-        while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
-            self._drain(min(0.5, deadline - time.time()), rnd)
+        self._collect(rnd, deadline)
         count = rnd.counted
         if self.stopping.is_set():
             self._set_state(rnd, RoundState.ABANDONED, "coordinator shutting down")
@@ -385,6 +387,12 @@ class Coordinator(UpdateIntake):
                 why += f"; {len(unsent)} tasks could not be published"
             self._set_state(rnd, RoundState.ABANDONED, why)
         return rnd
+
+    def _collect(self, rnd: Round, deadline: float) -> None:
+        """Take answers as they arrive until every expected one is in, the deadline, or shutdown."""
+        self._set_state(rnd, RoundState.COLLECTING)
+        while not rnd.complete and time.time() < deadline and not self.stopping.is_set():
+            self._drain(min(0.5, deadline - time.time()), rnd)
 
     def run_round(self, round_no: int | None = None) -> RoundRecord:
         """Run the next round to its end, retrying with a new cohort while there is no quorum."""

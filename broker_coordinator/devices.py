@@ -36,6 +36,7 @@ from edgefl_protocol.transport import connect, make_client
 from .broker import (BrokerError, admin_password, admin_user, desk_password, desk_user, hash_password, render_acl,
                      render_fragment, reserved_users, tool_users)
 from .config import CoordinatorBroker, CoordinatorConfig
+from .sites import central_users, partial_allowance, render_central_acl
 from .registry import REVOKED, Activity, Device, Registry, match_owner
 
 SIGNING_KEY_BYTES = 32
@@ -71,6 +72,8 @@ def render_password_file(config: CoordinatorConfig, registry: Registry) -> str:
     users[config.broker.username] = hash_password(config.broker.password)
     for user, password in tool_users(config.broker.username, config.broker.password).items():
         users[user] = hash_password(password)
+    for user, password in central_users(config.broker.password, list(config.sites)).items():
+        users[user] = hash_password(password)  # the sites' bridges
     return "".join(f"{user}:{digest}\n" for user, digest in sorted(users.items()))
 
 
@@ -80,7 +83,8 @@ def sync_broker_files(config: CoordinatorConfig, registry: Registry) -> None:
     try:
         write_file(Path(b.passwd_file), render_password_file(config, registry), 0o640)
         devices = registry.broker_users(config.federation.name)
-        write_file(Path(b.acl_file), render_acl(config.federation.name, b.username, devices), 0o640)
+        write_file(Path(b.acl_file), render_acl(config.federation.name, b.username, devices)
+                   + render_central_acl(config.federation.name, list(config.sites)), 0o640)
     except PermissionError as exc:
         raise BrokerError(f"cannot write {exc.filename}: run as root (sudo) or as the coordinator's service user") from None
 
@@ -147,7 +151,7 @@ def write_broker_config(config: CoordinatorConfig, conf_file: Path | None = None
         value = getattr(b, name)
         if value and not Path(value).is_file():
             raise BrokerError(f"[broker] {name} = {value}: no such file")
-    limit = message_size_limit(config)
+    limit = message_size_limit(config) + (partial_allowance() if config.sites else 0)
     conf = conf_file or Path(b.conf_file)
     registry = open_registry(config)
     try:

@@ -67,19 +67,19 @@ class UpdateIntake:
         if isinstance(answer, messages.EvalReport):
             current.evaluations[device] = (answer.score, answer.loss, answer.count)
             current.answered.add(device)
-            self.accepted[(device, current.number, current.attempt)] = digest
+            self.accepted[(device, answer.round, answer.attempt)] = digest
             current.device_metrics[device] = {f"eval_{answer.metric}": answer.score, "eval_loss": answer.loss,
                                               "eval_count": answer.count}
             if self.store:
-                self.store.record_device_round(current.number, current.attempt, device, True, None,
+                self.store.record_device_round(answer.round, answer.attempt, device, True, None,
                                                current.device_metrics[device])
             return
         if isinstance(answer, messages.Refusal):
             current.refused[device] = f"{answer.reason}: {answer.detail}"
-            log.warning("%s refused round %d (attempt %d): %s: %s", device, current.number, current.attempt,
+            log.warning("%s refused round %d (attempt %d): %s: %s", device, answer.round, answer.attempt,
                         answer.reason, answer.detail)
             if self.store:
-                self.store.record_device_round(current.number, current.attempt, device, False,
+                self.store.record_device_round(answer.round, answer.attempt, device, False,
                                                f"refused:{answer.reason}", {"detail": answer.detail})
             return
         assert not isinstance(judged, messages.Refusal)
@@ -93,14 +93,14 @@ class UpdateIntake:
         if (evaluation := self._evaluation_in(device, answer.metrics)) is not None:
             current.evaluations[device] = evaluation
         current.answered.add(device)
-        self.accepted[(device, current.number, current.attempt)] = digest
+        self.accepted[(device, answer.round, answer.attempt)] = digest  # the task answered (buffered: not current's)
         current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)
         current.bytes_up += size
         self.last_metrics[device] = dict(answer.metrics)
         self.metrics.accepted.inc()
         self.metrics.bytes_up.inc(size)
         if self.store:
-            self.store.record_device_round(current.number, current.attempt, device, True, None,
+            self.store.record_device_round(answer.round, answer.attempt, device, True, None,
                                            current.device_metrics[device])
 
     def _evaluation_in(self, device: str, metrics: dict) -> tuple[float, float, int] | None:
@@ -163,7 +163,7 @@ class UpdateIntake:
         None for a resend of an update already accepted in the open round. Raises Rejected."""
         key = (device, answer.round, answer.attempt)
         if key in self.accepted:
-            still_open = current is not None and (current.number, current.attempt) == key[1:]
+            still_open = self._still_open(current, answer.round, answer.attempt)
             if still_open and self.accepted[key] == hashlib.sha256(data).hexdigest():
                 log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
                          device, answer.round, answer.attempt)
@@ -190,6 +190,11 @@ class UpdateIntake:
         if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
         return (delta, *self._weight_and_steps(device, answer))
+
+    def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
+        """Whether an accepted answer to (round, attempt) is still in the open aggregate (a resend of it
+        is answered again, not rejected as a replay)."""
+        return current is not None and (current.number, current.attempt) == (round_no, attempt)
 
     def _check_fresh(self, current: Round | None, device: str, answer: messages.Answer, arrived: float) -> None:
         if answer.round in self.closed_at and (current is None or answer.round != current.number):

@@ -60,7 +60,11 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                                       "max_packet_size sized to the model, one connection per user), the "
                                       "password and ACL files, with the broker users of the coordinator, of "
                                       "these tools and of serve-enrollment.")
-    conf.add_argument("--out", type=Path, default=None, help="fragment path (default: [broker] conf_file)")
+    conf.add_argument("--out", type=Path, default=None,
+                      help="fragment path (default: [broker] conf_file); with --site, the directory")
+    conf.add_argument("--site", default=None, metavar="NAME",
+                      help="write site NAME's files instead ([sites.NAME]: its broker's config with the bridge "
+                           "to this broker, its devices' credentials and ACL, its aggregator's config)")
     conf.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
     _common(conf)
     conf.set_defaults(run=run_broker_config)
@@ -123,6 +127,14 @@ def run_list(args: argparse.Namespace) -> int:
 def run_broker_config(args: argparse.Namespace) -> int:
     from .devices import reload_broker, write_broker_config
     config = _config(args)
+    if args.site:
+        from .site_files import bridge_cafile, write_site_files
+        written = write_site_files(config, args.site, args.out)
+        tls = "TLS" if bridge_cafile(config, args.site) else "no TLS"
+        print(f"wrote site {args.site}: {', '.join(str(p) for p in written)} (bridge to "
+              f"{config.broker.devices_host}:{config.broker.devices_port}, {tls}); on the site's machine: "
+              f"mosquitto -c {written[0]}, and broker-coordinator site-aggregator --config {written[3]}")
+        return 0
     conf, limit = write_broker_config(config, args.out)
     b = config.broker
     tls = "TLS on" if b.tls else "no TLS (set [broker] tls_cert and tls_key to turn it on)"

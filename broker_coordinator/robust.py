@@ -92,9 +92,7 @@ class RobustRound:
         """The round's aggregate delta (called once, when the round closes)."""
         if self.count == 0:
             raise ValueError("no updates were folded in")
-        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
-        clipped = [(h, self._clip(h.device, h.delta, h.norm, bound)) for h in self.held]
-        self.held = []
+        clipped = self._clip_held()
         if self.aggregator == "gated_mean":
             clipped = self._gate(clipped)
         if self.aggregator in ("mean", "gated_mean"):
@@ -108,6 +106,21 @@ class RobustRound:
                          else trimmed_mean(stack, self.trim)).astype(np.float32)
         return out
 
+
+    def _clip_held(self) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
+        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
+        clipped = [(h, self._clip(h.device, h.delta, h.norm, bound)) for h in self.held]
+        self.held = []
+        return clipped
+
+    def streamed(self) -> StreamingMean:
+        """Aggregator "mean" only: the weighted sums with any held (cold-start) deltas clipped and
+        folded in; what a site aggregator sends up instead of the mean (see `partials`)."""
+        if self.aggregator != "mean":
+            raise ValueError(f"only aggregator \"mean\" folds into plain sums, not {self.aggregator!r}")
+        for h, delta in self._clip_held():
+            self.stream.add(delta, h.weight, h.steps)
+        return self.stream
 
     def _gate(self, clipped: list[tuple[Held, Mapping[str, np.ndarray]]]) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
         """Keep the deltas whose cosine with the round's coordinate-wise median is positive (at least

@@ -12,9 +12,11 @@ from edgefl_protocol.task_limits import check_training
 
 from .robust import AGGREGATORS
 from .selection import POLICIES
+from .staleness import check_buffered
 from .trust import WEIGHTINGS
 
 EVALUATE_MODES = ("auto", "central", "devices", "both")
+MODES = ("sync", "buffered")
 
 
 @dataclass
@@ -56,6 +58,11 @@ class RoundSettings:
     evaluate: str = "auto"
     eval_only_every: int = 0  # every Nth round only evaluates on the devices (no training); 0 = never
     hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
+    # "sync": lock-step rounds; "buffered": FedBuff-style asynchronous versions (see broker_coordinator/buffered.py)
+    mode: str = "sync"
+    buffer_size: int = 5  # buffered: accepted updates per applied version (FedBuff's K)
+    max_staleness: int = 4  # buffered: accept updates trained up to this many versions ago (S); older are dropped
+    staleness_weight: str = "inverse_sqrt"  # buffered: an update s versions old counts 1/sqrt(1+s), or 1 ("constant")
 
     def validate(self) -> None:
         algorithm = algorithms.get(self.algorithm)
@@ -88,10 +95,13 @@ class RoundSettings:
                                           "average of global models; 0 = serve the last global model)"),
             (self.evaluate in EVALUATE_MODES, f"evaluate must be one of {', '.join(EVALUATE_MODES)}"),
             (self.eval_only_every >= 0, "eval_only_every must be >= 0 (0 = no evaluation-only rounds)"),
+            (self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.mode == "buffered":
+            check_buffered(self)
         try:  # the ranges every agent enforces: a task they would all refuse is a config error here
             check_training(self.task_hparams(1))
         except Rejected as exc:

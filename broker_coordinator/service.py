@@ -12,6 +12,7 @@ from models.datasets import load_npz
 from models.objectives import Objective
 
 from .config import CoordinatorConfig
+from .buffered import coordinator_class
 from .coordinator import Coordinator, RoundFailed, record_dict
 from .metrics import Metrics
 from .report import describe_scores, format_round
@@ -24,6 +25,9 @@ DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex H
 
 def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     fed, b = config.federation, config.broker
+    if config.sites and config.rounds.mode == "buffered":
+        raise ValueError(f"{config.path}: [rounds] mode = \"buffered\" runs a flat federation; remove the "
+                         "[sites.*] sections or use mode = \"sync\" (site aggregators fold per round)")
     objective = Objective.of(fed.task, fed.loss)
     test_set = load_npz(fed.test_data, fed.task) if fed.test_data else None
     metrics = Metrics()
@@ -32,9 +36,15 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
     root_set = load_npz(fed.root_data, fed.task) if fed.root_data else None
-    coordinator = Coordinator(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
-                              store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
-                              metrics=metrics, device_keys=keys, root_set=root_set, objective=objective)
+    kind, extra = coordinator_class(config.rounds), {}
+    if config.sites:  # a federation in sites: the coordinator tasks sites and combines their partials
+        from .sites import site_key
+        from .tree import SiteSpec, TreeCoordinator
+        kind, extra = TreeCoordinator, {"sites": {name: SiteSpec(s.workers, site_key(b.password, name))
+                                                  for name, s in config.sites.items()}}
+    coordinator = kind(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
+                       store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
+                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, **extra)
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from models.objectives import Objective
 
 from . import fleet
 from .broker import COORDINATOR_USER, PrivateBroker
-from .coordinator import Coordinator, RoundSettings, record_dict
+from .buffered import coordinator_class
+from .coordinator import RoundSettings, record_dict
 from .metrics import Metrics
 from .processes import stop_processes
 from .store import Store
@@ -214,10 +216,10 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
         cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
-        coordinator = Coordinator(spec.federation, model, test_set, settings, seed=spec.seed,
-                                  store=Store(run_dir / "coordinator"), metrics=metrics, device_keys=keys,
-                                  on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)),
-                                  objective=objective)
+        coordinator = coordinator_class(settings)(
+            spec.federation, model, test_set, settings, seed=spec.seed, store=Store(run_dir / "coordinator"),
+            metrics=metrics, device_keys=keys, on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)),
+            objective=objective)
         coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         groups, cgroup_procs, classes = setup_fleet(spec, devices, f"edgefl-{spec.federation}-{os.getpid()}", echo)
 
@@ -242,8 +244,10 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
                                     processes, lambda device: start(device, again=True), echo)
                 echo(f"churn: about {fraction:.0%} of devices offline at a time, {seconds:.0f} s on average")
                 churn.start()
+            started = time.time()  # wall-clock from the first task: accuracy against time (bench/buffered.py)
             for round_no in range(1, spec.rounds + 1):
                 record = record_dict(coordinator.run_round(round_no))
+                record["elapsed"] = round(time.time() - started, 3)
                 offline = churn.offline() if churn else set()
                 for device, values in record["devices"].items() if classes else ():
                     values["device_class"] = classes.get(device, "")
@@ -269,7 +273,11 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             "seed": spec.seed, "algorithm": settings.algorithm, "codec": settings.codec,
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,
-            "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else []}
+            "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else [],
+            "mode": settings.mode}  # buffered: each record is a version, --rounds counts versions
+    if settings.mode == "buffered":
+        meta.update(buffer_size=settings.buffer_size, max_staleness=settings.max_staleness,
+                    staleness_weight=settings.staleness_weight)
     write_history(out / "history.json", history, meta)
     plot = out / ("accuracy.png" if objective.metric == "accuracy" else f"{objective.metric}.png")
     plotted = plot_accuracy(plot, history, f"{settings.algorithm} on {meta['dataset']}, "

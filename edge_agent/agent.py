@@ -407,7 +407,7 @@ class Agent:
             data = source.read()
             spec = resolve(arch)
             check_fits(data.train if len(data.train) else data.held_out, spec.input_shape, objective.task,
-                       spec.num_classes)
+                       spec.num_classes, model=arch, where=self.config.data.path)
         except (DatasetError, ValueError) as exc:  # unreadable, empty, or not this model's data
             raise Rejected("data_unusable", f"{exc}") from None
         if len(data.train) == 0 and task.train:

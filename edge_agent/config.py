@@ -10,16 +10,47 @@
     [device]
     id = "pi-07"
     federation = "default"
-    data = "/var/lib/edgefl/data.npz"   # local data: arrays x and y
     state_dir = "/var/lib/edgefl"
     threads = 0                 # torch threads; 0 = cores minus one, at least one (hardware.default_threads)
     signing_key = "<64 hex digits>"     # this device's HMAC-SHA256 key for its updates (from enrollment)
+    data = "/var/lib/edgefl/data.npz"   # shorthand for [data] source = "npz" with holdout = 0; not with [data]
 
-Environment overrides: EDGEFL_AGENT_BROKER_HOST, EDGEFL_AGENT_DEVICE_THREADS, ...
+    [data]                      # optional: where the local data comes from (edge_agent/data_sources.py)
+    source = "spool"            # npz | csv | images | spool
+    path = "/var/lib/app/spool" # the .npz or .csv file, the image folder, or the spool directory
+    label_column = "label"      # csv, and csv files in a spool: the label column; every other column is a feature
+    shape = [3, 128]            # csv/spool: reshape flat feature rows to this per-sample shape ([] = as read);
+                                # a spool rejects files of another shape (without it, the first file sets it)
+    image_size = [28, 28]       # images: resized to height x width
+    channels = 1                # images: 1 = grayscale, 3 = RGB
+    window = 5000               # spool: train on the newest N samples
+    consume = "move"            # spool: what happens to a file once read (see below)
+    holdout = 0.2               # fraction held out for federated evaluation, never trained on
+    state_dir = ""              # spool: where its cursor and window list live ("" = [device] state_dir)
+
+A spool is a directory the device's own application writes small `.npz` (x, y)
+or `.csv` batches into, each under a unique name by atomic rename (write
+`name.tmp` or `.name`, then rename; those are ignored). Each round the agent
+reads only files it has not seen (a backlog newest first, only as far as the
+window reaches), keeps the newest `window` samples, and skips
+a broken file with one logged line (moved to `rejected/` unless consume =
+"keep"). consume = "move" (default) moves read files into `consumed/`, so a
+round lists only new files and restarts find only new ones; "delete" also
+moves them there, then deletes each once its samples leave the window (disk
+bounded by the window); "keep" leaves them in place and remembers a cursor (a
+round then lists the whole directory). The window is restored after a restart
+by re-reading the files named in `<state_dir>/spool.msgpack`.
+
+Holdout is a stable per-sample draw (a hash of file name and row, or of the
+index for a fixed file), so a held-out sample never trains later.
+
+Environment overrides: EDGEFL_AGENT_BROKER_HOST, EDGEFL_AGENT_DEVICE_THREADS,
+EDGEFL_AGENT_DATA_WINDOW, ... (a list as "3,128").
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +79,8 @@ class BrokerSettings:
 @dataclass
 class DeviceSettings:
     id: str
-    data: str
     state_dir: str
+    data: str = ""  # legacy shorthand for [data] source = "npz"
     federation: str = "default"
     threads: int = 0
     signing_key: str = ""  # hex; HMAC-SHA256 key for this device's updates (written by `edge-agent enroll`)
@@ -63,24 +94,91 @@ class DeviceSettings:
             raise ValueError(f"threads must be 0 (automatic) or positive, got {self.threads}")
 
 
+SOURCES = ("npz", "csv", "images", "spool")
+CONSUME = ("move", "delete", "keep")
+
+
+def _int_list(value: object, key: str) -> tuple[int, ...]:
+    """A TOML list of positive ints, or "3,128" / "[3, 128]" from an environment variable."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]").strip()
+        try:
+            value = [int(part) for part in text.split(",")] if text else []
+        except ValueError:
+            raise ValueError(f"{key} must be a list of positive integers like [3, 128], got {value!r}") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                                       for v in value):
+        raise ValueError(f"{key} must be a list of positive integers like [3, 128], got {value!r}")
+    return tuple(value)
+
+
+@dataclass
+class DataSettings:
+    source: str = "npz"
+    path: str = ""
+    label_column: str = "label"
+    shape: tuple[int, ...] = ()  # per-sample shape for flat csv rows; () = keep as read
+    image_size: tuple[int, ...] = (28, 28)
+    channels: int = 1
+    window: int = 5000
+    consume: str = "move"
+    holdout: float = 0.2
+    state_dir: str = ""  # spool bookkeeping; filled from [device] state_dir when empty
+
+    def validate(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not self.path:
+            raise ValueError("path is required: the data file, image folder or spool directory")
+        self.shape = _int_list(self.shape, "shape")
+        self.image_size = _int_list(self.image_size, "image_size")
+        if len(self.image_size) != 2:
+            raise ValueError(f"image_size must be [height, width], got {list(self.image_size)}")
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {self.channels}")
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1 sample, got {self.window}")
+        if self.consume not in CONSUME:
+            raise ValueError(f"consume must be one of {', '.join(CONSUME)}, got {self.consume!r}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout must be a fraction in [0, 1), got {self.holdout}")
+        if not self.label_column:
+            raise ValueError("label_column must name the csv column that holds the labels")
+
+
 @dataclass
 class AgentConfig:
     broker: BrokerSettings
     device: DeviceSettings
     path: Path
+    data: DataSettings  # from [data], or from the legacy [device] data
 
-    @property
-    def data(self) -> "DataSettings":
-        from .data_sources import DataSettings
-        return DataSettings("npz", self.device.data)
+
+def _data_settings(raw: dict, device: DeviceSettings, path: Path) -> DataSettings:
+    """[data], or the legacy [device] data (an npz trained on whole, as before); never both."""
+    env = f"{ENV_PREFIX}_DATA"
+    has_section = "data" in raw or any(name.startswith(env + "_") for name in os.environ)
+    if has_section and device.data:
+        raise ConfigError(f"{path}: both [device] data and [data] (a section, or {env}_* variables) are set; "
+                          f"move the path to [data] path and remove [device] data")
+    if has_section:
+        data = build_section(DataSettings, raw.get("data", {}), f"{path} [data]", env)
+    elif device.data:
+        data = build_section(DataSettings, {"source": "npz", "path": device.data, "holdout": 0.0},
+                             f"{path} [device] data")
+    else:
+        raise ConfigError(f"{path}: no local data configured: add a [data] section with source and path "
+                          f"(or [device] data = \"file.npz\")")
+    data.state_dir = data.state_dir or device.state_dir
+    return data
 
 
 def load_config(path: Path | str) -> AgentConfig:
     path = Path(path)
     raw = read_toml(path)
     for section in raw:
-        if section not in ("broker", "device"):
-            raise ConfigError(f"{path}: unknown section [{section}]; expected [broker] and [device]")
+        if section not in ("broker", "device", "data"):
+            raise ConfigError(f"{path}: unknown section [{section}]; expected [broker], [device] and [data]")
     broker = build_section(BrokerSettings, raw.get("broker", {}), f"{path} [broker]", f"{ENV_PREFIX}_BROKER")
     device = build_section(DeviceSettings, raw.get("device", {}), f"{path} [device]", f"{ENV_PREFIX}_DEVICE")
-    return AgentConfig(broker, device, path)
+    return AgentConfig(broker, device, path, _data_settings(raw, device, path))

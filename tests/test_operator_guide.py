@@ -20,7 +20,8 @@ from .operator_fixtures import PROJECT_ROOT, debian_main_conf, run_module, write
 README = PROJECT_ROOT / "README.md"
 # every `broker-coordinator ...` / `edge-agent ...` subcommand the guide shows, and where it is exercised
 EXERCISED = {
-    "broker-coordinator broker-config": "this file",
+    "broker-coordinator broker-config": "this file; --site: tests/test_sites.py",
+    "broker-coordinator site-aggregator": "tests/test_sites.py (from the files broker-config --site wrote)",
     "broker-coordinator serve-enrollment": "tests/test_enrollment.py",
     "broker-coordinator run": "this file (one round; it hosts the enrollment desk)",
     "broker-coordinator status": "tests/test_runtime_e2e.py (test_status_command_reads_the_store)",

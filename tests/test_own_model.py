@@ -248,3 +248,42 @@ def test_devices_whose_installed_model_differs_refuse_with_one_line(tmp_path, mo
     rounds = store.rounds()
     assert [r["closed"] for r in rounds] == ["abandoned"] and "refused the task" in rounds[0]["reason"]
     assert store.load_checkpoint() is None  # nothing was aggregated
+
+
+def test_devices_with_broken_data_refuse_each_round_while_the_others_train_and_evaluate(tmp_path):
+    """Four devices with their own files and no central test set: two good, one whose samples have
+    the wrong shape and one with NaN. Every round the broken two refuse with a reason (one log line
+    each), the good two train and evaluate on their held-out slices, and every agent keeps running."""
+    import json
+    import subprocess
+
+    from models import datasets
+
+    digits = datasets.load("digits").train
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    files = {"good-0": digits.subset(np.arange(0, 600)), "good-1": digits.subset(np.arange(600, 1200)),
+             "shape": Dataset(digits.x[:300].reshape(-1, 8, 8), digits.y[:300]),
+             "nan": Dataset(np.where(np.arange(64) == 3, np.nan, digits.x[:300]).astype(np.float32), digits.y[:300])}
+    for name, data in files.items():
+        datasets.save_npz(tmp_path / f"{name}.npz", data)
+        (devices / f"{name}.toml").write_text(f'[data]\nsource = "npz"\npath = "{tmp_path / name}.npz"\n'
+                                              'holdout = 0.2\n')
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "broker_coordinator", "simulate", "--model", "digits_mlp",
+                             "--devices-dir", str(devices), "--rounds", "2", "--round-timeout", "60",
+                             "--local-epochs", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "exited" not in result.stdout  # no agent process died
+    rounds = json.loads((out / "history.json").read_text())["rounds"]
+    assert [r["participants"] for r in rounds] == [2, 2]
+    for r in rounds:
+        assert set(r["refused"]) == {"shape", "nan"} and r["metric"] == "accuracy" and math.isnan(r["score"])
+        # a stable hash draw of about 20% of the good devices' 2 x 600 samples
+        assert r["federated"]["devices"] == 2 and 200 < r["federated"]["count"] < 280
+    assert rounds[1]["federated"]["score"] > rounds[0]["federated"]["score"]  # round 1 measured the initial model
+    for name, why in (("shape", "expects (64,)"), ("nan", "NaN")):
+        log = (out / "run" / "devices" / name / "agent.log").read_text()
+        refusals = [line for line in log.splitlines() if "refusing the task" in line]
+        assert len(refusals) == 2 and all(why in line for line in refusals), log
+        assert "Traceback" not in log

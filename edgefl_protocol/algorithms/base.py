@@ -23,6 +23,7 @@ Server side, per round:
     new_global(global, mean_delta, mean_extras)  the server rule; extras are averaged uniformly
     broadcast() / broadcast_tensors()     scalars sent with the tasks / tensors sent with the model
     state() / load_state(state)           the server's aggregate, checkpointed after every round
+    asynchronous_refusal()                why the rule cannot fold stale updates in buffered mode ("" = it can)
 
 Algorithm state that must survive restarts lives in `self.state` on the
 client (a DeviceState section, saved by the agent once per round) and in the
@@ -157,6 +158,11 @@ class ServerRule:
     def state(self) -> dict[str, Any]:
         """What must survive a coordinator restart (checkpointed after every round)."""
         return {}
+
+    def asynchronous_refusal(self) -> str:
+        """Why this rule cannot serve the coordinator's buffered asynchronous mode, where a version is
+        applied every K updates and updates may be trained on older versions; "" when it can."""
+        return ""
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         pass

@@ -87,6 +87,11 @@ class DualServer(ServerRule):
     def state(self) -> dict:
         return {"H": self.H} if self.H is not None else {}
 
+    def asynchronous_refusal(self) -> str:
+        return ("its server dual H grows by each round's mean delta scaled by the round's share of a known "
+                "population, and each device's dual h_k must stay the sum of the deltas the server folded; "
+                "updates trained on older versions, weighted down for staleness or dropped, break both")
+
     def load_state(self, state) -> None:
         if "H" in state:
             self.H = {name: np.asarray(a, dtype=np.float64) for name, a in state["H"].items()}

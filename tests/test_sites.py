@@ -1,0 +1,340 @@
+"""Sites: a tree of aggregators gives the flat federation's model; partials are validated like
+updates; site brokers bridged to a central Mosquitto carry the model down and partials up; two
+workers share a site's updates through `$share` and fold each exactly once."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from broker_coordinator.broker import COORDINATOR_USER
+from broker_coordinator.coordinator import Coordinator, RoundSettings
+from broker_coordinator.local_sites import LocalSites
+from broker_coordinator.partials import SiteTask, decode_partial, encode_partial
+from broker_coordinator.site_aggregator import SiteWorker
+from broker_coordinator.tree import SiteSpec, TreeCoordinator, quotas
+from edgefl_protocol import codec, messages, signing, topics
+from edgefl_protocol.errors import Rejected
+from edgefl_protocol.transport import connect, make_client
+from models import datasets
+
+from .conftest import Recorder
+
+FED = "test"
+ARCH = "digits_mlp"
+
+
+def signed_update(device: str, key: bytes, task: messages.Task, specs: dict, rng: np.random.Generator,
+                  num_samples: int, metrics: dict | None = None) -> bytes:
+    scale = rng.uniform(0.1, 2.0)
+    tensors = {n: (scale * rng.standard_normal(s)).astype(np.float32) for n, s in specs.items()}
+    encoded = codec.encode(tensors, task.codec)
+    update = messages.Update(device, task.round, task.model_version, num_samples,
+                             {"steps": int(rng.integers(1, 9)), "sigma": float(rng.uniform()), "gamma": 0.5,
+                              "eval_metric": "accuracy", "eval_score": float(rng.uniform()),
+                              "eval_loss": float(rng.uniform(0, 3)), "eval_count": int(rng.integers(5, 50)),
+                              **(metrics or {})},
+                             encoded.body, encoded.codec, encoded.specs, FED, task.attempt)
+    return messages.encode_update(update, key)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load("digits")
+
+
+def fleet(sites: dict[str, int]) -> dict[str, str]:
+    """device -> site"""
+    return {f"{site}-{i}": site for site, n in sites.items() for i in range(n)}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsmoo", "dynsam"])
+def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorithm):
+    settings = RoundSettings(algorithm=algorithm, codec="float32", aggregator="mean", norm_bound=0,
+                             weighting="reported", normalize_steps=True, round_timeout=60, evaluate="both")
+    where = fleet({"north": 4, "south": 3, "east": 2})
+    keys = {d: signing.new_key() for d in where}
+    site_keys = {s: signing.new_key() for s in set(where.values())}
+    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+                           sites={"north": SiteSpec(2, site_keys["north"]), "south": SiteSpec(1, site_keys["south"]),
+                                  "east": SiteSpec(1, site_keys["east"])})
+    specs = {**flat.specs, **flat.extra_specs}
+    task = messages.Task(1, 0, time.time() + 60, algorithm, settings.task_hparams(1), {}, "float32", 1)
+    rng = np.random.default_rng(3)
+    payloads = {d: signed_update(d, keys[d], task, specs, rng, int(rng.integers(20, 200))) for d in where}
+
+    flat_record = flat.fold_round(payloads)
+    # north has two workers, each folding half of its devices (as $share would split them)
+    workers = {("north", 0): ["north-0", "north-2"], ("north", 1): ["north-1", "north-3"],
+               ("south", 0): ["south-0", "south-1", "south-2"], ("east", 0): ["east-0", "east-1"]}
+    site_task = SiteTask(1, 1, 0, messages.encode("task", task),
+                         {"weighting": "reported", "norm_bound": 0.0, "normalize_steps": True})
+    partials = []
+    for (site, index), devices in workers.items():
+        worker = SiteWorker(FED, site, ARCH, site_keys[site], keys, worker=index)
+        rnd = worker._open(site_task, task, {d for d, s in where.items() if s == site})
+        for device in devices:
+            worker._on_update(rnd, device, payloads[device], time.time())
+        partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
+    tree_record = tree.fold_partials({"north": 4, "south": 3, "east": 2}, partials)
+    observed = [row for _, p in partials for row in msgpack.unpackb(p[4 + signing.TAG_BYTES:])["observed"]]
+    if algorithm == "fedavg":  # its server rule keeps no per-device state
+        assert observed == []
+    else:  # per device, only what the server rule reads (of steps, sigma, gamma)
+        assert len(observed) == len(where) and all(set(row[2]) <= {"sigma", "gamma"} for row in observed)
+        assert algorithm != "dynsam" or all(set(row[2]) == {"sigma", "gamma"} for row in observed)
+
+    assert tree_record.participants == flat_record.participants == len(where)
+    # the devices' evaluations of the model they received, pooled per site: the same federated score
+    assert tree_record.federated["count"] == flat_record.federated["count"]
+    assert tree_record.federated["devices"] == flat_record.federated["devices"] == len(where)
+    assert tree_record.federated["score"] == pytest.approx(flat_record.federated["score"], rel=1e-12)
+    assert tree_record.federated["loss"] == pytest.approx(flat_record.federated["loss"], rel=1e-12)
+    for name in flat.weights:
+        np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
+    assert tree.server_rule.broadcast() == pytest.approx(flat.server_rule.broadcast())
+    assert any(not np.allclose(tree.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
+               for n in flat.weights), "the round changed nothing: the comparison would be empty"
+
+
+def test_tree_mode_refuses_aggregators_a_partial_cannot_carry(digits):
+    with pytest.raises(ValueError, match="aggregator = \"mean\""):
+        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(), sites={"north": SiteSpec(1, signing.new_key())})
+
+
+def test_partials_are_validated_like_updates(digits):
+    settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", round_timeout=60)
+    key = signing.new_key()
+    tree = TreeCoordinator(FED, ARCH, digits.test, settings, sites={"north": SiteSpec(1, key)})
+    worker = SiteWorker(FED, "north", ARCH, key, {})
+    task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
+    rnd = worker._open(SiteTask(1, 1, 0, messages.encode("task", task), {}), task, {"north-0"})
+    good = worker.partial(rnd)
+    cap = 10 ** 7
+    with pytest.raises(Rejected, match="signature"):
+        decode_partial(encode_partial(good, signing.new_key()), key, "north", tree.specs, {}, cap)
+    with pytest.raises(Rejected, match="sender"):
+        decode_partial(encode_partial(good, key), key, "south", tree.specs, {}, cap)
+    good.total_weight = float("nan")
+    with pytest.raises(Rejected, match="not finite"):
+        decode_partial(encode_partial(good, key), key, "north", tree.specs, {}, cap)
+    with pytest.raises(Rejected, match="oversized"):
+        decode_partial(b"x" * 100, key, "north", tree.specs, {}, 50)
+    # junk from the site broker is logged, never served
+    worker._handle("edgefl/test/site/north/task", b"\x00junk", time.time(), False)
+    worker._handle("edgefl/test/site/north/cohort", b"\x92\x01", time.time(), False)
+    assert worker.current is None and not worker.sent  # nothing opened, nothing sent
+    # a partial from a site the config does not know is rejected with its reason
+    tree.inbox.put(("edgefl/test/site/west/partial", b"x", time.time(), False))
+    tree._drain(0.1)
+    assert tree.rejections["unknown_site"] == 1
+    # a stale partial is logged and counted, never folded
+    rnd_tree = tree._open_round(2, 1, {"north/0"}, time.time() + 60, 1)
+    tree._on_partial(rnd_tree, "north", encode_partial(worker.partial(rnd), key))
+    assert tree.rejections["stale"] == 1 and not rnd_tree.answered
+
+
+def test_quotas_split_clients_over_sites_in_proportion():
+    assert quotas(10, {"a": 30, "b": 10, "c": 0}) == {"a": 8, "b": 2}
+    assert sum(quotas(1000, {"a": 2500, "b": 2500, "c": 2500, "d": 2499}).values()) == 1000
+    assert quotas(0, {"a": 3, "b": 0}) == {"a": 0}
+    assert quotas(50, {"a": 3, "b": 4}) == {"a": 3, "b": 4}
+
+
+# over real brokers --------------------------------------------------------------------------------
+class Device:
+    """A device at its site: online status, and per task a signed update (recorded)."""
+
+    def __init__(self, name: str, password: str, port: int, key: bytes, specs: dict) -> None:
+        self.name, self.key, self.specs = name, key, specs
+        self.sent: dict[int, bytes] = {}
+        self.models: list[str] = []
+        self.errors: list[BaseException] = []
+        self.client = make_client(name, name, password)
+        self.client.on_message = self._on_message
+        self.client.will_set(topics.status(FED, name), b"", qos=1, retain=True)
+        connect(self.client, "127.0.0.1", port, timeout=10)
+        self.client.subscribe([(topics.task(FED, name), 1), (topics.models(FED), 1)])
+        self.client.publish(topics.status(FED, name), messages.encode("status", messages.Status(name, "online")),
+                            qos=1, retain=True).wait_for_publish(5)
+
+    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+        try:
+            if topics.parse_model_topic(msg.topic) is not None:
+                self.models.append(msg.topic)
+                return
+            task = messages.decode_task(msg.payload)
+            rng = np.random.default_rng([task.round, int(self.name.split("-")[1]), len(self.name)])
+            payload = signed_update(self.name, self.key, task, self.specs, rng, 50 + 10 * len(self.sent))
+            self.sent[task.round] = payload
+            client.publish(topics.update(FED, self.name), payload, qos=1)
+        except BaseException as exc:  # surfaced by the test
+            self.errors.append(exc)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def test_bridged_sites_run_rounds_and_two_workers_share_a_site(tmp_path, digits):
+    """A central and two site brokers bridged; north has 2 workers on a $share subscription. The
+    rounds' global models equal a flat federation's fold of the same updates; every update is
+    folded by exactly one worker; the model reached the devices through their site broker."""
+    where = {"north": [f"north-{i}" for i in range(4)], "south": ["south-0", "south-1"]}
+    settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", norm_bound=0,
+                             weighting="reported", round_timeout=20, min_updates=1)
+    keys = {d: signing.new_key() for devices in where.values() for d in devices}
+    stop = threading.Event()
+    workers: list[SiteWorker] = []
+    devices: list[Device] = []
+    threads: list[threading.Thread] = []
+    with LocalSites(tmp_path, FED, where, workers=2) as rig:
+        tree = TreeCoordinator(FED, ARCH, digits.test, settings,
+                               sites={s: SiteSpec(2 if s == "north" else 1, rig.site_key(s)) for s in where})
+        flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+        try:
+            tree.connect(rig.central.host, rig.central.port, COORDINATOR_USER, rig.coordinator_password)
+            for site, names in where.items():
+                for index in range(2 if site == "north" else 1):
+                    worker = SiteWorker(FED, site, ARCH, rig.site_key(site), {d: keys[d] for d in names}, index)
+                    worker.connect(rig.brokers[site].host, rig.brokers[site].port, *rig.worker_login(site, index))
+                    workers.append(worker)
+                    threads.append(threading.Thread(target=worker.serve, args=(stop,), daemon=True))
+                    threads[-1].start()
+                devices += [Device(d, rig.passwords[d], rig.brokers[site].port, keys[d], tree.specs) for d in names]
+            tree.wait_for_devices(6, timeout=20)
+            records = [tree.run_round() for _ in range(2)]
+            for r in (1, 2):
+                flat.fold_round({d.name: d.sent[r] for d in devices})
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(5)
+            for worker in workers:
+                worker.close()
+            for device in devices:
+                device.close()
+            tree.close()
+    assert not [e for d in devices for e in d.errors]
+    assert [r.participants for r in records] == [6, 6] and [r.closed for r in records] == ["complete"] * 2
+    assert [r.model_sha256 for r in records] != [r.base_sha256 for r in records]
+    for name in flat.weights:
+        np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
+    north = [w for w in workers if w.site == "north"]
+    folded = [{(d, r) for d, r, _ in w.accepted} for w in north]
+    assert all(folded), "both north workers should have folded a share of the updates"
+    assert not folded[0] & folded[1]
+    assert folded[0] | folded[1] == {(d, r) for d in where["north"] for r in (1, 2)}
+    assert all(f"{topics.ROOT}/{FED}/model/1" in d.models for d in devices), "model version 1 reached every site"
+
+
+def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
+    """`broker-config --site north` against a central broker with TLS: the site's Mosquitto starts
+    from the generated files, its bridge logs in over TLS as site-north; the retained model comes
+    down, a partial goes up; site-south's bridge user can neither read north's task nor write its
+    partials."""
+    from broker_coordinator import devices as ops
+    from broker_coordinator.broker import find_mosquitto, free_port, wait_for_port
+    from broker_coordinator.processes import stop_processes
+    from broker_coordinator.sites import bridge_password, worker_password
+
+    from .operator_fixtures import PROJECT_ROOT, start_server, stop_server
+    from .test_enrollment import self_signed
+
+    cert, key = self_signed(tmp_path / "pki")
+    site_port = free_port()
+    extra = (f'tls_cert = "{cert}"\ntls_key = "{key}"\ndevice_port = {free_port()}\n'
+             f'[sites.north]\ndevices = "north-*"\nport = {site_port}\nbind = "127.0.0.1"\n'
+             f'run_as = "{getpass.getuser()}"\n'
+             f'[sites.south]\ndevices = "south-*"\n')
+    server = start_server(tmp_path / "server", extra)
+    site_proc = None
+    clients, processes = [], []
+    try:
+        server.add("north-0")
+        server.add("south-0")
+        out = tmp_path / "north"
+        done = server.cli("broker-config", "--site", "north", "--out", str(out))
+        assert done.returncode == 0, done.stderr
+        conf = (out / "mosquitto.conf").read_text()
+        assert f"bridge_cafile {out}/central-ca.pem" in conf and "remote_username site-north" in conf
+        assert f"address 127.0.0.1:{server.config.broker.devices_port}" in conf  # the TLS listener
+        assert "north-0:" in (out / "passwd").read_text() and "south-0" not in (out / "passwd").read_text()
+        log = tmp_path / "north.log"
+        with open(log, "wb") as handle:
+            site_proc = subprocess.Popen([find_mosquitto(), "-c", str(out / "mosquitto.conf")], stdout=handle,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for_port(site_port, site_proc, log)
+
+        secret = server.config.broker.password
+        central = Recorder(ops.coordinator_client(server.config, "t"))
+        connect(central.client, "127.0.0.1", server.port, timeout=10)
+        worker = Recorder(make_client("north-aggregator-0", "north-aggregator-0", worker_password(secret, "north")))
+        connect(worker.client, "127.0.0.1", site_port, timeout=10)
+        south = Recorder(make_client("site-south", "site-south", bridge_password(secret, "south")))
+        connect(south.client, "127.0.0.1", server.port, timeout=10)
+        clients += [central, worker, south]
+        central.subscribe("edgefl/field/site/+/partial")
+        south.subscribe("edgefl/field/site/north/task")
+        worker.subscribe("edgefl/field/model/#")
+        central.client.publish("edgefl/field/model/7", b"manifest", qos=1, retain=True).wait_for_publish(5)
+        central.client.publish("edgefl/field/site/north/task", b"task", qos=1).wait_for_publish(5)
+        wait_until(lambda: ("edgefl/field/model/7", b"manifest") in worker.messages, 15, "the model at the site")
+        south.client.publish("edgefl/field/site/north/partial", b"forged", qos=1).wait_for_publish(5)
+        worker.client.publish("edgefl/field/site/north/partial", b"partial", qos=1).wait_for_publish(5)
+        partials = lambda: [m for m in central.messages if m[0].endswith("/partial")]  # noqa: E731
+        wait_until(partials, 10, "the site's partial at the central broker")
+        time.sleep(0.5)
+        assert partials() == [("edgefl/field/site/north/partial", b"partial")]
+        assert south.messages == []
+
+        # the site's aggregator, from the generated config: its presence reaches the coordinator
+        central.subscribe("edgefl/field/site/+/status")
+        aggregator = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "site-aggregator", "--config",
+                                       str(out / "aggregator.toml")], cwd=PROJECT_ROOT,
+                                      env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        processes.append(aggregator)
+        wait_until(lambda: any(t == "edgefl/field/site/north/status" and p for t, p in central.messages), 60,
+                   "the site aggregator's status at the central broker")
+        status = messages.decode_status(next(p for t, p in central.messages if t.endswith("/north/status") and p))
+        assert status.state == "online" and status.profile == {"online": 0, "eligible": 0}
+    finally:
+        for recorder in clients:
+            recorder.close()
+        stop_processes(processes, timeout=10)
+        if site_proc is not None:
+            stop_processes([site_proc], timeout=10)
+        stop_server(server)
+
+
+def wait_until(predicate, within: float, what: str) -> None:
+    give_up = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_config_names_sites_and_refuses_what_they_cannot_run(tmp_path):
+    from broker_coordinator.config import load_config
+    from edgefl_protocol.settings import ConfigError
+    base = '[federation]\ntest_data = "t.npz"\nmodel = "digits_mlp"\n[broker]\npassword = "x"\n'
+    path = tmp_path / "c.toml"
+    path.write_text(base + '[sites.north]\ndevices = "north-*, pi-07"\n')
+    with pytest.raises(ConfigError, match='aggregator = "mean"'):
+        load_config(path)
+    path.write_text(base + '[rounds]\naggregator = "mean"\n[sites.north]\ndevices = "north-*, pi-07"\n')
+    site = load_config(path).sites["north"]
+    assert site.holds("north-3") and site.holds("pi-07") and not site.holds("south-1")
+    path.write_text(base + '[sites.north]\ndevices = "north-*"\nworkers = 0\n')
+    with pytest.raises(ConfigError, match=r"\[sites.north\]: workers must be 1-64"):
+        load_config(path, with_rounds=False)
