@@ -1,8 +1,8 @@
-"""`make pi-check`: the README's Raspberry Pi install, run under qemu-user aarch64 emulation on a Pi 4 and a Pi 5 CPU.
+"""`make pi-check`: the Raspberry Pi install of docs/OPERATOR.md, run under qemu-user aarch64 emulation on a Pi 4 and a Pi 5 CPU.
 
 1. An arm64 Debian bookworm root (debootstrap, cached in /var/cache/edgefl-pi-root,
    PI_ROOT_CACHE to change) gets a fresh copy, and the install commands of the
-   README's "Install on a Raspberry Pi" block run in it as root (the `git clone`
+   "Install on a Raspberry Pi" block of docs/OPERATOR.md run in it as root (the `git clone`
    of the project is replaced by a copy of this checkout's files).
 2. For each of pi4 (QEMU_CPU=cortex-a72) and pi5 (cortex-a76), with the agent's
    default thread count for a 4-core Pi: imports; 20 training steps of every
@@ -56,7 +56,7 @@ README_CANDIDATE = "pypi"
 
 def readme_install_commands() -> list[str]:
     """The indented command block under the README's Pi install heading, as a Pi owner would type it."""
-    lines = (PROJECT / "README.md").read_text().splitlines()
+    lines = (PROJECT / "docs" / "OPERATOR.md").read_text().splitlines()  # the operator guide, linked from the README
     start = lines.index(README_HEADING)
     block, seen = [], False
     for line in lines[start + 1:]:

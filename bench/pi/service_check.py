@@ -1,4 +1,4 @@
-"""`make service-check`: the README's operator guide, run as written under systemd as PID 1.
+"""`make service-check`: the operator guide (docs/OPERATOR.md), run as written under systemd as PID 1.
 
 A Debian bookworm amd64 root (debootstrap with systemd, systemd-sysv, dbus,
 polkitd, Mosquitto; cached in /var/cache/edgefl-service-root) is copied fresh
