@@ -52,6 +52,9 @@ def check_buffered(settings: RoundSettings) -> None:
                                                   'buffered mode: devices would each measure a different version'),
         (settings.eval_only_every == 0, "eval_only_every must be 0 in buffered mode (there are no rounds to "
                                         "pause for an evaluation)"),
+        # several versions are in flight at once, and the delta chains assume one; not measured together
+        (settings.downlink == "full", 'downlink must be "full" in buffered mode (delta chains follow one version '
+                                      'at a time; the two are not built to work together yet)'),
     ]
     for ok, message in checks:
         if not ok:

@@ -82,6 +82,10 @@ class TreeCoordinator(Coordinator):
                              "trimmed_mean and median need every delta of a round in one place (its coordinate-"
                              "wise median), and a site sends up only sums. Set aggregator = \"mean\" (the norm "
                              "bound and the weight cap still apply, per site)")
+        if self.settings.downlink != "full":
+            raise ValueError("[rounds] downlink = \"delta\" cannot run in sites yet: the broadcast model's "
+                             "state is not kept in a tree's checkpoints and the bridges were not measured with "
+                             "deltas. Set downlink = \"full\" (the model crosses each bridge once per version)")
         if not sites:
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)

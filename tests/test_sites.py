@@ -109,6 +109,9 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
 def test_tree_mode_refuses_aggregators_a_partial_cannot_carry(digits):
     with pytest.raises(ValueError, match="aggregator = \"mean\""):
         TreeCoordinator(FED, ARCH, digits.test, RoundSettings(), sites={"north": SiteSpec(1, signing.new_key())})
+    with pytest.raises(ValueError, match="downlink = \"full\""):
+        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(aggregator="mean", downlink="delta"),
+                        sites={"north": SiteSpec(1, signing.new_key())})
 
 
 def test_partials_are_validated_like_updates(digits):
