@@ -46,7 +46,6 @@ from typing import Any, Callable
 import numpy as np
 
 from edgefl_protocol import algorithms, codec, delta_downlink, downlink, messages, topics
-from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, fingerprint, get_weights, set_weights
 from models.datasets import Dataset
@@ -62,7 +61,8 @@ from .evaluation import federated_score
 from .round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSettings is imported from here)
 from .intake import UpdateIntake
 from .metrics import Metrics
-from .rounds import Round, RoundState
+from .presence import DevicePresence
+from .rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
 from .selection import select
 from .serving import ServedAverage
 from .store import Checkpoint, Store, model_sha256
@@ -71,11 +71,7 @@ log = logging.getLogger("broker_coordinator")
 REPLAY_ROUNDS = 10  # rounds whose accepted answers the replay guard remembers
 
 
-class RoundFailed(Exception):
-    """A round found no quorum in any of its attempts."""
-
-
-class Coordinator(UpdateIntake):
+class Coordinator(UpdateIntake, DevicePresence):
     def __init__(self, federation: str, arch: str, test_set: Dataset | None, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
                  on_state: Callable[[Round], None] | None = None,
@@ -212,75 +208,6 @@ class Coordinator(UpdateIntake):
                 self.session.publish(topic, b"", qos=1, retain=True)
         elif kind == "update" and payload:  # an empty payload is our own clearing of a retained one
             self._on_update(current, device, payload, arrived)
-
-    def _on_status(self, device: str, payload: bytes) -> None:
-        if not payload:
-            self.online.pop(device, None)
-            return
-        try:
-            status = messages.decode_status(payload)
-        except Rejected as exc:
-            log.warning("status from %s ignored: %s", device, exc)
-            return
-        if status.state == "online":
-            self.online[device] = dict(status.profile)
-            last_round = status.profile.get("last_round", 0)
-            if (not status.profile.get("busy") and isinstance(last_round, int)
-                    and last_round >= self.pending_round.get(device, 0)):
-                # idle and done with the round it was tasked for (even if its answer was lost): free again
-                self.pending_until.pop(device, None)
-        else:
-            self.online.pop(device, None)
-            self.pending_until.pop(device, None)
-        if self.store:
-            self.store.record_presence(device, status.state == "online", dict(status.profile))
-        self.metrics.online.set(len(self.online))
-
-    # presence -----------------------------------------------------------------------
-    def eligible(self) -> list[str]:
-        """Online devices that are not busy with an earlier task and that the registry admits."""
-        now = time.time()
-        self.pending_until = {d: t for d, t in self.pending_until.items() if t > now}
-        return [d for d, profile in self.online.items()
-                if not profile.get("busy") and d not in self.pending_until and self._is_admitted(d)]
-
-    def _is_admitted(self, device: str) -> bool:
-        """Presence comes from retained statuses anyone enrolled could have left: only devices the
-        registry admits (active, not revoked) are selected. Answers are cached for a few seconds."""
-        if self.admission is None:
-            return True
-        when, admitted = self._admitted
-        if time.monotonic() - when > 5.0 or admitted is None:
-            admitted = {d for d in self.online if self.admission(d) is None}
-            self._admitted = (time.monotonic(), admitted)
-        return device in admitted
-
-    def _settle_presence(self, quiet: float = 0.5, limit: float = 5.0) -> None:
-        """After (re)connecting, read the retained statuses until they stop arriving, so the first
-        cohort is chosen from every device that is online, not from the first few to be heard."""
-        give_up, last = time.monotonic() + limit, len(self.online)
-        quiet_since = time.monotonic()
-        while time.monotonic() < give_up and time.monotonic() - quiet_since < quiet:
-            self._drain(0.1)
-            if len(self.online) != last:
-                last, quiet_since = len(self.online), time.monotonic()
-        self._presence_settled = True
-
-    def wait_for_devices(self, count: int, timeout: float, progress: Callable[[int, int], None] | None = None) -> None:
-        give_up = time.monotonic() + timeout
-        last_seen = -1
-        while len(self.eligible()) < count:
-            if self.stopping.is_set():
-                raise RoundFailed("shutting down")
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"only {len(self.eligible())} of {count} devices were online and idle "
-                                   f"within {timeout:.0f} s")
-            if progress and len(self.online) != last_seen:
-                last_seen = len(self.online)
-                progress(last_seen, count)
-            self._drain(0.2)
-        if progress:
-            progress(len(self.online), count)
 
     # rounds -------------------------------------------------------------------------
     def _served_from(self) -> dict[str, np.ndarray]:

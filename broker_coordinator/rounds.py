@@ -20,6 +20,10 @@ from typing import Any
 from .robust import RobustRound
 
 
+class RoundFailed(Exception):
+    """A round found no quorum in any of its attempts."""
+
+
 class RoundState(str, Enum):
     OPEN = "open"
     COLLECTING = "collecting"

@@ -45,8 +45,9 @@ from models.objectives import Objective
 
 from . import limits
 from .aggregation import StreamingMean
-from .coordinator import REPLAY_ROUNDS, Coordinator
+from .coordinator import REPLAY_ROUNDS
 from .intake import UpdateIntake
+from .presence import DevicePresence
 from .metrics import Metrics
 from .partials import (Partial, SiteTask, decode_site_task, encode_partial, make_partial, pooled_evaluation,
                        site_topic, summarize)
@@ -103,11 +104,7 @@ class SiteRule:
         self.rule.observe(device, num_samples, ReadKeys(metrics, self.reads))
 
 
-class SiteWorker(UpdateIntake):
-    # presence is the coordinator's, read from the same retained statuses
-    _on_status = Coordinator._on_status
-    eligible = Coordinator.eligible
-    _is_admitted = Coordinator._is_admitted
+class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's, from the same retained statuses
 
     def __init__(self, federation: str, site: str, arch: str, site_key: bytes, device_keys: dict[str, bytes],
                  worker: int = 0, share_group: str = "edgefl", seed: int = 0) -> None:
