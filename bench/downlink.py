@@ -43,15 +43,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.field import CHURN, DEADLINE, FLEET, PARTITION_FILE, PROJECT_ROOT
+from bench.field import CHURN, DEADLINE, FLEET, PARTITION_FILE, run_simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "downlink_runs"
@@ -84,23 +81,8 @@ def run_one(mode: str, seed: int, rounds: int, codec: str | None = None) -> dict
                 "--round-timeout", str(ROUND_TIMEOUT),
                 "--fleet", FLEET, "--churn", CHURN, "--seed", str(seed), "--federation", f"downlink{seed}",
                 "--downlink", mode, "--out", str(out)] + (["--downlink-codec", codec] if codec else [])
-        log_path = RUNS / "logs" / f"{row}_seed{seed}_r{rounds}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        started, load_before = time.time(), os.getloadavg()[0]
-        print(f"[{time.strftime('%H:%M:%S')}] downlink {row} seed {seed}", flush=True)
-        with open(log_path, "w") as log:
-            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=rounds * 120 + 900,
-                                    cwd=PROJECT_ROOT)
-        if result.returncode != 0:
-            raise RuntimeError(f"downlink {mode} seed {seed} failed (exit {result.returncode}); see {log_path}")
-        history = json.loads((out / "history.json").read_text())
-    portable = [str(PARTITION_FILE.relative_to(PROJECT_ROOT)) if a == str(PARTITION_FILE) else
-                "OUT" if a == str(out) else a for a in args[1:]]
-    record = {**history, "wall_seconds": time.time() - started, "command": portable,
-              "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record) + "\n")
-    return record
+        return run_simulate(args, out, path, RUNS / "logs" / f"{row}_seed{seed}_r{rounds}.log",
+                            f"downlink {row} seed {seed}", timeout=rounds * 120 + 900)
 
 
 def run_stats(record: dict) -> dict:

@@ -71,6 +71,27 @@ def cache_path(row: str, seed: int, rounds: int, codec: str | None, runs: Path) 
     return runs / f"{row}{suffix}" / f"seed{seed}_r{rounds}.json"
 
 
+def run_simulate(args: list[str], out: Path, path: Path, log_path: Path, label: str, timeout: float) -> dict:
+    """Run one `simulate` command (`args`, writing into `out`), log its output to `log_path`, and cache its
+    history at `path` with the wall time, the load average and the command as anyone can rerun it from the
+    project root (no paths of this machine)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started, load_before = time.time(), os.getloadavg()[0]
+    print(f"[{time.strftime('%H:%M:%S')}] {label}", flush=True)
+    with open(log_path, "w") as log:
+        result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=PROJECT_ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{label}: simulate failed (exit {result.returncode}); see {log_path}")
+    history = json.loads((out / "history.json").read_text())
+    portable = [str(PARTITION_FILE.relative_to(PROJECT_ROOT)) if a == str(PARTITION_FILE) else
+                "OUT" if a == str(out) else a for a in args[1:]]
+    record = {**history, "wall_seconds": time.time() - started, "command": portable,
+              "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record) + "\n")
+    return record
+
+
 def run_one(row: str, seed: int, rounds: int, codec: str | None, runs: Path, log_dir: Path) -> dict:
     """One simulate run (cached): returns {"meta", "rounds", "wall_seconds", "command", "load"}."""
     path = cache_path(row, seed, rounds, codec, runs)
@@ -88,23 +109,9 @@ def run_one(row: str, seed: int, rounds: int, codec: str | None, runs: Path, log
             args += ["--hparam", f"{key}={value}"]
         if codec:
             args += ["--codec", codec]
-        log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{path.parent.name}_seed{seed}_r{rounds}.log"
-        started, load_before = time.time(), os.getloadavg()[0]
-        with open(log_path, "w") as log:
-            print(f"[{time.strftime('%H:%M:%S')}] {row} seed {seed}{' ' + codec if codec else ''}: "
-                  f"{' '.join(args[1:])}", flush=True)
-            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=rounds * 120 + 900)
-        if result.returncode != 0:
-            raise RuntimeError(f"{row} seed {seed} failed (exit {result.returncode}); see {log_path}")
-        history = json.loads((out / "history.json").read_text())
-    # the command as anyone can rerun it from the project root: no paths of this machine
-    portable = [str(PARTITION_FILE.relative_to(PROJECT_ROOT)) if a == str(PARTITION_FILE) else
-                "OUT" if a == str(out) else a for a in args[1:]]
-    record = {**history, "wall_seconds": time.time() - started, "command": portable,
-              "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record) + "\n")
+        label = f"{row} seed {seed}{' ' + codec if codec else ''}: {' '.join(args[1:])}"
+        record = run_simulate(args, out, path, log_path, label, timeout=rounds * 120 + 900)
     accuracies = [r["accuracy"] for r in record["rounds"]]
     print(f"    final {100 * accuracies[-1]:.2f}%, best {100 * max(accuracies):.2f}%, "
           f"{record['wall_seconds']:.0f} s", flush=True)

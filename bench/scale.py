@@ -262,12 +262,11 @@ def total(phase: dict) -> float:
 
 
 def bytes_per_client_round() -> tuple[dict | None, str]:
-    for path in (RESULTS / "downlink.json", Path("/work/main/bench/results/downlink.json")):
-        if path.exists():
-            data = json.loads(path.read_text())
-            found = data.get("bytes_per_client_round")
-            if isinstance(found, dict) and {"up", "down"} <= set(found):
-                return {"up": found["up"], "down": found["down"]}, f"copied from {path.name} (a real field run)"
+    path = RESULTS / "downlink.json"
+    if path.exists():
+        found = json.loads(path.read_text()).get("bytes_per_client_round")
+        if isinstance(found, dict) and {"up", "down"} <= set(found):
+            return {"up": found["up"], "down": found["down"]}, f"copied from {path.name} (a real field run)"
     return None, ("bench/results/downlink.json (the field run of the delta downlink) did not exist when this ran; "
                   "this benchmark's devices are emulated and do not train, so it does not measure it")
 
