@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from edgefl_protocol import SCHEMA_VERSION, codec, signing, topics
+from edgefl_protocol import codec, messages, signing, topics
+from edgefl_protocol.messages import _field, _unpack  # the same header checks as every message
 from edgefl_protocol.errors import Rejected
 
 from .aggregation import StreamingMean
@@ -90,32 +90,13 @@ class Partial:
 
 
 def encode_site_task(task: SiteTask) -> bytes:
-    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": "site_task", **asdict(task)}, use_bin_type=True)
-
-
-def _unpack(data: bytes, kind: str, max_bytes: int) -> dict[str, Any]:
-    if len(data) > max_bytes:
-        raise Rejected("oversized", f"{kind} of {len(data)} bytes exceeds the cap of {max_bytes}")
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=MAX_SUMMARY_KEYS)
-    except Exception as exc:
-        raise Rejected("malformed", f"{kind} is not valid msgpack ({type(exc).__name__})") from None
-    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA_VERSION or obj.get("kind") != kind:
-        raise Rejected("schema", f"not a {kind} message of schema {SCHEMA_VERSION}")
-    return obj
-
-
-def _get(obj: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise Rejected("schema", f"field {name!r} is missing or has the wrong type")
-    return value
+    return messages.encode("site_task", task)
 
 
 def decode_site_task(data: bytes, max_bytes: int = 1 << 20) -> SiteTask:
     obj = _unpack(data, "site_task", max_bytes)
-    task = SiteTask(_get(obj, "round", int), _get(obj, "attempt", int), _get(obj, "clients", int),
-                    _get(obj, "task", bytes), obj.get("rules") or {})
+    task = SiteTask(_field(obj, "round", int), _field(obj, "attempt", int), _field(obj, "clients", int),
+                    _field(obj, "task", bytes), obj.get("rules") or {})
     if task.clients < 0 or not isinstance(task.rules, dict):
         raise Rejected("schema", "site task: clients must be >= 0 and rules a map")
     return task
@@ -135,8 +116,7 @@ def make_partial(fed: str, site: str, worker: int, round_no: int, attempt: int, 
 
 
 def encode_partial(partial: Partial, key: bytes) -> bytes:
-    return signing.sign(msgpack.packb({"schema": SCHEMA_VERSION, "kind": "partial", **asdict(partial)},
-                                      use_bin_type=True), key)
+    return signing.sign(messages.encode("partial", partial), key)
 
 
 def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str, tuple[int, ...]],
@@ -147,15 +127,15 @@ def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str
         raise Rejected("oversized", f"partial of {len(data)} bytes exceeds the cap of {max_bytes}")
     obj = _unpack(signing.verify(data, key, f"site {site}"), "partial", max_bytes)
     p = Partial(
-        federation=_get(obj, "federation", str), site=_get(obj, "site", str), worker=_get(obj, "worker", int),
-        round=_get(obj, "round", int), attempt=_get(obj, "attempt", int),
-        model_version=_get(obj, "model_version", int), count=_get(obj, "count", int),
-        total_weight=float(_get(obj, "total_weight", (int, float))),
-        weighted_steps=float(_get(obj, "weighted_steps", (int, float))),
-        extras_count=_get(obj, "extras_count", int), specs=_get(obj, "specs", list), body=_get(obj, "body", bytes),
-        rejected=_counts(obj, "rejected"), refused=_get(obj, "refused", int), clipped=_counts(obj, "clipped"),
-        bytes_up=_get(obj, "bytes_up", int), summary=_summary(obj), observed=_observed(obj),
-        selected=_get(obj, "selected", int), evaluation=_evaluation(obj))
+        federation=_field(obj, "federation", str), site=_field(obj, "site", str), worker=_field(obj, "worker", int),
+        round=_field(obj, "round", int), attempt=_field(obj, "attempt", int),
+        model_version=_field(obj, "model_version", int), count=_field(obj, "count", int),
+        total_weight=float(_field(obj, "total_weight", (int, float))),
+        weighted_steps=float(_field(obj, "weighted_steps", (int, float))),
+        extras_count=_field(obj, "extras_count", int), specs=_field(obj, "specs", list), body=_field(obj, "body", bytes),
+        rejected=_counts(obj, "rejected"), refused=_field(obj, "refused", int), clipped=_counts(obj, "clipped"),
+        bytes_up=_field(obj, "bytes_up", int), summary=_summary(obj), observed=_observed(obj),
+        selected=_field(obj, "selected", int), evaluation=_evaluation(obj))
     if p.site != site:
         raise Rejected("sender", f"topic says site {site} but the partial claims {p.site}")
     if min(p.worker, p.count, p.extras_count, p.refused, p.bytes_up, p.selected) < 0 or p.extras_count > p.count:
