@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from models.objectives import format_score
+
 
 def write_history(path: Path, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     path.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=2) + "\n")
@@ -32,13 +34,7 @@ def scores(record: dict[str, Any]) -> tuple[str, float, float]:
     return metric, float("nan") if central is None else float(central), float(federated)
 
 
-def format_score(metric: str, score: float) -> str:
-    if score != score:
-        return "n/a"
-    return f"{100 * score:.2f}%" if metric == "accuracy" else f"{score:.4g}"
-
-
-def describe_scores(record: dict[str, Any], objective: Any = None) -> str:
+def describe_scores(record: dict[str, Any]) -> str:
     """e.g. "accuracy 93.10%" or "mse 0.412 (devices, 240 samples)"."""
     metric, central, federated = scores(record)
     parts = []

@@ -122,7 +122,7 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
     else:
         last = rounds[-1] if rounds else ckpt.record
         echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
-             f"{describe_scores(last, objective)}, {last['participants']}/{last['selected']} participants")
+             f"{describe_scores(last)}, {last['participants']}/{last['selected']} participants")
     online = sum(1 for d in devices if d["online"])
     echo(f"devices: {online} online of {len(devices)} seen")
     for d in devices:

@@ -41,7 +41,7 @@ from edgefl_protocol.task_limits import check_training
 from edgefl_protocol.transport import Session
 from models.architectures import ModelError, build_model, fingerprint, get_weights, resolve, set_weights
 from models.datasets import DatasetError
-from models.objectives import Objective
+from models.objectives import Objective, format_score
 
 from .config import AgentConfig
 from .data_sources import DataSource, LocalData, check_fits, open_source
@@ -286,7 +286,7 @@ class Agent(ModelFetch):
         result = objective.evaluate(model, data.held_out)
         model.train()
         log.info("round %d: model version %d on %d held-out samples: %s %s", task.round, task.model_version,
-                 result.count, result.metric, objective.format(result.score))
+                 result.count, result.metric, format_score(result.metric, result.score))
         return {"eval_metric": result.metric, "eval_score": result.score, "eval_loss": result.loss,
                 "eval_count": result.count}
 

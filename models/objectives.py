@@ -83,8 +83,9 @@ class Objective:
         score = score_sum / len(data) if self.task == "classification" else loss_sum / len(data)
         return Evaluation(self.metric, score, loss_sum / len(data), len(data))
 
-    def format(self, score: float) -> str:
-        """A score as people read it: accuracy in percent, errors as numbers."""
-        if score != score:  # NaN: not measured
-            return "n/a"
-        return f"{100 * score:.2f}%" if self.task == "classification" else f"{score:.4g}"
+
+def format_score(metric: str, score: float) -> str:
+    """A score as people read it: accuracy in percent, errors as numbers, "n/a" when not measured."""
+    if score != score:  # NaN
+        return "n/a"
+    return f"{100 * score:.2f}%" if metric == "accuracy" else f"{score:.4g}"
