@@ -1,36 +1,25 @@
-"""A federation in one process: the agent's `train_locally`, the algorithms'
-ClientRule / ServerRule classes and the coordinator's `StreamingMean`, with
-no broker in between. Used by `bench/algorithms.py`; `--check-mqtt` there shows
-that it matches `broker-coordinator simulate` up to noise.
+"""A federation in one process, through the shipped engine: `bench.inmemory` (the agent's local
+training, codec and error feedback, the coordinator's intake, trust bounds, default fold, server
+rule and evaluation), with no broker in between. Used by `bench/algorithms.py`; `--check-mqtt`
+there shows that it matches `broker-coordinator simulate` up to noise.
 
-What is identical to a run over MQTT: model initialisation (build_model(arch,
-seed)), the task hyper-parameters (RoundSettings.task_hparams, lr decay
-included), cohort selection (selection.select with random.Random(seed) over sorted
-device names), per-device state dicts, the order of updates, the
-server rule. What differs: no codec (float32 either way), no deadline, and
-the local shuffling seed (`mirror_agent_seed` reproduces the agent's).
+What `settings` does not set is the shipped default: the codec, the trust bounds and the fold
+included, so a benchmark measures what ships unless it says otherwise in its `measured_with`.
 """
 
 from __future__ import annotations
 
-import random
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from broker_coordinator.aggregation import StreamingMean
 from broker_coordinator.coordinator import RoundSettings
-from broker_coordinator.evaluation import evaluate
-from broker_coordinator.selection import select
 from broker_coordinator.serving import ServedAverage
-from edge_agent.agent import local_settings
-from edge_agent.training import train_locally
-from edgefl_protocol import algorithms
-from edgefl_protocol.algorithms.base import EXTRA_PREFIX
-from models.architectures import build_model, get_weights, set_weights
+from models.architectures import build_model, set_weights
 from models.datasets import Dataset
+from models.objectives import Objective
+
+from .inmemory import InMemoryFederation, set_threads  # noqa: F401 (set_threads is used from here)
 
 
 @dataclass
@@ -52,63 +41,40 @@ class RunResult:
     # accuracy of an exponential moving average of the global models, per decay: what serving an
     # average instead of the last model would give any algorithm (measured beside, never fed back)
     ema_accuracy: dict[str, list[float]] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)  # per round: participants, clipped, rejected
 
 
 EMA_DECAYS = (0.5, 0.75, 0.9)
 
 
 def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: bool = False,
-        keep_signals: bool = False, progress=None) -> RunResult:
+        keep_signals: bool = False, progress=None, fleet: list[str] | None = None) -> RunResult:
     settings.validate()
-    algorithm = algorithms.get(settings.algorithm)
-    model = build_model(fed.arch, seed)
-    weights = get_weights(model)
-    specs = {name: a.shape for name, a in weights.items()}
-    server = algorithm.server(settings.task_hparams(1))
-    extra_specs = server.extra_specs(specs)
-    devices = [f"dev-{i:03d}" for i in range(len(fed.clients))]
-    data = dict(zip(devices, fed.clients))
-    states: dict[str, dict] = {d: {} for d in devices}
-    rng = random.Random(seed)
-    last_metrics: dict[str, dict] = {}
+    sim = InMemoryFederation(fed.arch, fed.clients, fed.test, settings, seed, fed.clients_per_round,
+                             fleet=fleet or [], mirror_agent_seed=mirror_agent_seed)
+    coordinator = sim.coordinator
     result = RunResult([], [], [])
-    averages = {decay: ServedAverage(weights, decay) for decay in EMA_DECAYS}
-    served_average = ServedAverage(weights, settings.serve_average)  # what `accuracy` evaluates, as the coordinator
+    averages = {decay: ServedAverage(coordinator.weights, decay) for decay in EMA_DECAYS}
     served = build_model(fed.arch)
+    objective = Objective()
     for round_no in range(1, fed.rounds + 1):
-        server.start_round(round_no, len(devices))
-        k = len(devices) if settings.clients_per_round == 0 else min(settings.clients_per_round, len(devices))
-        cohort = sorted(select(settings.selection, devices, k, rng, last_metrics))
-        hp = settings.task_hparams(round_no)
-        broadcast, tensors = server.broadcast(), server.broadcast_tensors()
-        deltas = StreamingMean(specs, normalize_steps=settings.normalize_steps)
-        extras = StreamingMean(extra_specs) if extra_specs else None
-        reported = {}
-        for device in cohort:
-            local = build_model(fed.arch)
-            set_weights(local, weights)
-            rule = algorithm.client(hp, broadcast, states[device], tensors)
-            local_seed = (zlib.crc32(f"{device}/{round_no}".encode()) if mirror_agent_seed
-                          else zlib.crc32(f"{device}/{round_no}/{seed}".encode()))
-            out = train_locally(local, data[device], rule, local_settings(hp), local_seed)
-            delta = {n: a for n, a in out.delta.items() if not n.startswith(EXTRA_PREFIX)}
-            deltas.add(delta, server.weight(out.num_samples, out.metrics), int(out.metrics["steps"]))
-            if extras is not None:
-                extras.add({n: out.delta[n] for n in extra_specs}, 1.0)
-            server.observe(device, out.num_samples, out.metrics)
-            result.local_seconds.append(float(out.metrics["train_seconds"]))
-            reported[device] = {"num_samples": out.num_samples, **out.metrics}
-            last_metrics[device] = dict(out.metrics)
-        weights = server.new_global(weights, deltas.mean(), extras.mean() if extras is not None else None)
-        set_weights(model, served_average.update(weights))
-        accuracy, loss = evaluate(model, fed.test)
+        record = sim.round(round_no)
+        if record is None:  # nothing accepted: the model stands
+            accuracy, loss = (result.accuracy[-1], result.loss[-1]) if result.accuracy else (0.0, float("nan"))
+        else:
+            accuracy, loss = record.accuracy, record.loss
+            result.records.append({"round": round_no, "participants": record.participants,
+                                   "clipped": dict(record.clipped), "rejected": dict(record.rejected)})
+            for device, metrics in record.devices.items():
+                if "train_seconds" in metrics:
+                    result.local_seconds.append(float(metrics["train_seconds"]))
+            if keep_signals:
+                result.signals.append({d: dict(m) for d, m in record.devices.items()})
         result.accuracy.append(accuracy)
         result.loss.append(loss)
         for decay, average in averages.items():
-            set_weights(served, average.update(weights))
-            result.ema_accuracy.setdefault(str(decay), []).append(evaluate(served, fed.test)[0])
-        if keep_signals:
-            result.signals.append(reported)
+            set_weights(served, average.update(coordinator.weights))
+            result.ema_accuracy.setdefault(str(decay), []).append(objective.evaluate(served, fed.test).score)
         if progress:
             progress(round_no, accuracy)
     return result
@@ -125,7 +91,3 @@ def split_validation(clients: list[Dataset], fraction: float = 0.2, seed: int = 
         kept.append(client.subset(perm[cut:]))
     val = Dataset(np.concatenate([h.x for h in held]), np.concatenate([h.y for h in held]))
     return kept, val
-
-
-def set_threads(n: int = 1) -> None:
-    torch.set_num_threads(n)

@@ -33,15 +33,14 @@
     message_size_limit = 0               # bytes; 0 = sized to the model
 
     [rounds]                             # every field of coordinator.RoundSettings
-    clients_per_round = 10
-    min_updates = 5
+    clients_per_round = 10               # 0 (the default) = every eligible device
+    min_updates = 1                      # quorum to close a round at its deadline
     round_timeout = 300.0
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
     weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
     norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
-    aggregator = "gated_mean"            # gated_mean | mean | trimmed_mean | median
-    reference = "auto"                   # gated_mean's direction: "root" (root_data), "median"; auto = root if set
-    serve_average = 0.75                 # evaluate/keep an average of the last global models (0 = off)
+    aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median
+    serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)
 
     [storage]
     state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
@@ -51,7 +50,7 @@
     token_hours = 24.0                   # how long an enrollment token stays valid
 
     [metrics]
-    port = 9464                          # Prometheus endpoint; 0 = off
+    port = 0                             # Prometheus endpoint, e.g. 9464; 0 (the default) = off
     bind = "127.0.0.1"
 
     [sites.north]                        # optional: the federation in sites (see broker_coordinator/sites.py)
@@ -74,6 +73,7 @@ from typing import Any
 from edgefl_protocol import topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
 
+from . import composition
 from .sites import SiteSettings
 
 ENV_PREFIX = "EDGEFL_COORDINATOR"
@@ -231,9 +231,11 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: sites.{name} must be a table ([sites.{name}])")
         sites[name] = build_section(SiteSettings, {"name": name, **table}, f"{path} [sites.{name}]")
-    if sites and rounds is not None and rounds.aggregator != "mean":
-        raise ConfigError(f"{path} [rounds]: aggregator = {rounds.aggregator!r} cannot run in sites (a site sends "
-                          "up sums, not the deltas a median needs): set aggregator = \"mean\"")
+    if sites and rounds is not None:
+        try:
+            composition.check(rounds, "sites")
+        except ValueError as exc:
+            raise ConfigError(f"{path} [rounds] with [sites.*]: {exc}") from None
     return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
                              section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
                              section(MetricsSettings, "metrics"), path, sites)

@@ -122,6 +122,10 @@ class Coordinator(UpdateIntake, DevicePresence):
         self.accepted: dict[tuple[str, int, int], str] = {}
         self.sample_weights = SampleWeights(settings.weighting, settings.weight_cap)
         self.norm_bound = NormBound(settings.norm_bound)
+        # centered_clip: the last applied aggregate step is the next round's centre (known before the
+        # round opens, to the sites too), and the radius' history of distances from it
+        self.center: dict[str, np.ndarray] | None = None
+        self.radius = NormBound(settings.norm_bound or 1.5)
         self.attempts: dict[int, int] = {}  # round -> last attempt number used (continues across restarts)
         self._admitted: tuple[float, set[str] | None] = (0.0, None)  # (when, devices the registry admits)
         self._presence_settled = False
@@ -148,6 +152,9 @@ class Coordinator(UpdateIntake, DevicePresence):
         self.server_rule.load_state(ckpt.server_state)
         self.sample_weights.load_state(ckpt.trust.get("weights") or {})
         self.norm_bound.load_state(ckpt.trust.get("norms") or {})
+        self.radius.load_state(ckpt.trust.get("radius") or {})
+        center = ckpt.trust.get("center")
+        self.center = {n: np.asarray(center[n], dtype=np.float32) for n in self.specs} if center else None
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
         if self.broadcast is not None and not self.broadcast.load(ckpt.downlink, self.version):
             # no broadcast state for this version (an older checkpoint, a rollback): B starts as G,
@@ -369,7 +376,7 @@ class Coordinator(UpdateIntake, DevicePresence):
         self.sample_weights.start_round()
         return Round(round_no, attempt, cohort, deadline, self.version,
                      RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
-                                 self._reference(round_no)))
+                                 self._reference(round_no), self.center, self.radius))
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
         if self.settings.reference == "median" or self.root_set is None:
@@ -386,7 +393,9 @@ class Coordinator(UpdateIntake, DevicePresence):
         # the replay guard needs only recent rounds: older answers are rejected as late anyway
         self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
         if rnd.train:
-            self.weights = self.server_rule.new_global(self.weights, rnd.aggregate.mean(),
+            aggregate = rnd.aggregate.mean()
+            self.center = aggregate
+            self.weights = self.server_rule.new_global(self.weights, aggregate,
                                                        self.extras.mean() if self.extras is not None else None)
             self.version += 1
             if self.broadcast is not None:  # B follows G at once, so the checkpoint holds both
@@ -410,7 +419,8 @@ class Coordinator(UpdateIntake, DevicePresence):
                                                   record.model_sha256, self.server_rule.state(), asdict(record),
                                                   self.served.weights if self.settings.serve_average else None,
                                                   {"weights": self.sample_weights.state(),
-                                                   "norms": self.norm_bound.state()},
+                                                   "norms": self.norm_bound.state(),
+                                                   "radius": self.radius.state(), "center": self.center},
                                                   self.broadcast.state() if self.broadcast else {}))
             self.store.record_round(asdict(record))
         self._set_state(rnd, RoundState.CHECKPOINTED)
@@ -430,9 +440,18 @@ class Coordinator(UpdateIntake, DevicePresence):
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
+        # bounding an honest update is routine (the round line counts it): INFO, not a warning
         for device, (norm, bound) in rnd.aggregate.clipped.items():
-            log.warning("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
+            log.info("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
             self.metrics.bounded.labels("norm").inc()
+        centered = getattr(rnd.aggregate, "centered", {})
+        for device, (distance, radius) in centered.items():
+            log.info("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
+                     rnd.number, device, distance, radius)
+            self.metrics.bounded.labels("center").inc()
+            rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
+        if centered:
+            clipped["center"] = len(centered)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         for device, cosine in rnd.aggregate.gated.items():

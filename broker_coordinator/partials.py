@@ -63,6 +63,9 @@ class SiteTask:
     clients: int  # devices the site selects; 0 = every eligible device
     task: bytes  # the encoded messages.Task every selected device receives
     rules: dict[str, Any] = field(default_factory=dict)  # RoundSettings trust fields the workers apply
+    # centered_clip's centre for the round (the last applied step), float32-coded; empty: none yet
+    center_specs: list = field(default_factory=list)
+    center: bytes = b""
 
 
 @dataclass
@@ -93,13 +96,35 @@ def encode_site_task(task: SiteTask) -> bytes:
     return messages.encode("site_task", task)
 
 
+def site_task_cap(specs: Mapping[str, tuple[int, ...]]) -> int:
+    """Bytes: the largest site task a worker accepts (the device task and rules, and the centre)."""
+    return (1 << 20) + 4 * sum(math.prod(shape) for shape in specs.values())
+
+
 def decode_site_task(data: bytes, max_bytes: int = 1 << 20) -> SiteTask:
     obj = _unpack(data, "site_task", max_bytes)
     task = SiteTask(_field(obj, "round", int), _field(obj, "attempt", int), _field(obj, "clients", int),
-                    _field(obj, "task", bytes), obj.get("rules") or {})
+                    _field(obj, "task", bytes), obj.get("rules") or {}, obj.get("center_specs") or [],
+                    obj.get("center") or b"")
     if task.clients < 0 or not isinstance(task.rules, dict):
         raise Rejected("schema", "site task: clients must be >= 0 and rules a map")
+    if not isinstance(task.center_specs, list) or not isinstance(task.center, bytes):
+        raise Rejected("schema", "site task: center_specs must be a list and center bytes")
     return task
+
+
+def encode_center(center: Mapping[str, np.ndarray] | None) -> tuple[list, bytes]:
+    if center is None:
+        return [], b""
+    encoded = codec.encode(center, "float32")
+    return encoded.specs, encoded.body
+
+
+def decode_center(task: SiteTask, specs: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """The site task's centre with the model's shapes and finite values, or None. Raises Rejected."""
+    if not task.center:
+        return None
+    return codec.decode("float32", task.center_specs, task.center, dict(specs), sum(math.prod(s) for s in specs.values()))
 
 
 # partials ----------------------------------------------------------------------------------------

@@ -3,24 +3,35 @@
 Every delta is first scaled down to the adaptive norm bound (`trust.NormBound`),
 then combined by one of (`RoundSettings.aggregator`):
 
-- `gated_mean` (default): the weighted mean of the deltas that point the
-  same way as the round's coordinate-wise median (cosine > 0). A length bound
-  alone cannot stop a device that sends its own update reversed: under
-  non-IID data it erases what its classes taught the model, at full length.
-  The median of the round is a direction a minority cannot turn, and honest
-  deltas agree with it (measured on the headline partition: cosine 0.1-0.4,
-  rarely slightly below 0; a reversed delta -0.4 to -0.6). At least half of
-  the round (the most aligned) is always kept. Holds the round's deltas:
-  memory O(cohort x model).
-- `mean`: the weighted mean, streamed (memory O(model)) once the bound is
-  known; on a cold start the first round's updates are held until it closes,
-  then clipped against the median of their own norms.
+- `centered_clip` (default): centered clipping (Karimireddy, He and Jaggi,
+  ICML 2021). Each delta's difference from a centre `c` that every level of
+  the federation knows before the round opens (the last applied aggregate
+  step, see `Coordinator.center`) is clipped to a radius tau, and the round
+  averages c + clip(delta - c, tau):
+      aggregate = c + sum_k w_k min(1, tau / ||delta_k - c||) (delta_k - c) / sum_k w_k
+  tau is `norm_bound` times the median of the devices' recent (clipped)
+  distances from their round's centre (a second `NormBound`), fixed when the
+  round opens, so the fold does not depend on the order of arrival. A reversed or
+  crafted update lies far from c and counts at most tau; honest deltas of a
+  converging federation lie near it. Each update is judged as it arrives, by
+  the same rule at a site and at the centre, so the fold streams: memory
+  O(model) at any cohort size. Without a centre (the first round) it is the
+  plain clipped mean.
+- `mean`: the weighted mean of the norm-bounded deltas, streamed.
+- `gated_mean`: the weighted mean of the deltas that point the same way as
+  the round's coordinate-wise median (cosine > 0), at least the most aligned
+  half. Holds the round's deltas: memory O(cohort x model); flat rounds only.
 - `trimmed_mean`: per coordinate, drop the `trim` fraction of largest and of
   smallest values, average the rest (Yin et al., ICML 2018). Unweighted.
 - `median`: per coordinate median (Yin et al., ICML 2018). Unweighted.
 
-The last two hold the round's deltas (memory O(cohort x model)) and ignore
-sample weights and step normalization: that is their price.
+The last three hold the round's deltas (memory O(cohort x model)) and ignore
+sample weights and step normalization: that is their price, and why they
+cannot run at a site (a partial carries sums, not the deltas a median needs).
+
+A cold start (fewer than `warmup` norms known) holds at most `warmup`
+updates, clips them against the median of their own norms, and streams from
+then on: the streaming folds stay O(model) from the first round.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ import numpy as np
 from .aggregation import StreamingMean
 from .trust import NormBound
 
-AGGREGATORS = ("gated_mean", "mean", "trimmed_mean", "median")
+AGGREGATORS = ("centered_clip", "mean", "gated_mean", "trimmed_mean", "median")
+STREAMING = ("centered_clip", "mean")  # judge each update as it arrives; O(model); run at sites too
+DEFAULT_AGGREGATOR = "centered_clip"
 
 
 @dataclass
@@ -50,20 +63,33 @@ def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
 
 
 class RobustRound:
-    def __init__(self, specs: Mapping[str, tuple[int, ...]], bound: NormBound, aggregator: str = "gated_mean",
+    def __init__(self, specs: Mapping[str, tuple[int, ...]], bound: NormBound, aggregator: str = DEFAULT_AGGREGATOR,
                  trim: float = 0.2, normalize_steps: bool = False,
-                 reference: Callable[[list[str]], np.ndarray] | None = None) -> None:
-        """`reference(names)`, if given, is the gate's direction (flattened in the order of `names`)
-        instead of the round's coordinate-wise median (see `reference.py`)."""
-        self.reference = reference
+                 reference: Callable[[list[str]], np.ndarray] | None = None,
+                 center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None) -> None:
+        """`reference(names)`, if given, is gated_mean's direction (flattened in the order of `names`)
+        instead of the round's coordinate-wise median (see `reference.py`). `center` and `radius` are
+        centered_clip's centre (None: none yet) and the adaptive radius' history."""
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
         self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
+        self.reference = reference
+        self.center = ({n: np.asarray(center[n], dtype=np.float32) for n in self.specs}
+                       if center is not None and aggregator == "centered_clip" else None)
+        self.radius = radius if radius is not None else NormBound(bound.multiplier or 1.5)
+        # fixed for the round, so the fold does not depend on the order updates arrive in, and a site
+        # given the same history clips exactly as the centre would (None: too few distances known yet)
+        self.tau = self.radius.bound() if self.center is not None else None
         self.stream = StreamingMean(specs, normalize_steps=normalize_steps)
         self.held: list[Held] = []
         self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
+        self.centered: dict[str, tuple[float, float]] = {}  # device -> (distance, radius) of every centre-clipped one
         self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
         self.count = 0
+
+    @property
+    def streaming(self) -> bool:
+        return self.aggregator in STREAMING
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1) -> None:
         if not weight > 0:
@@ -71,32 +97,61 @@ class RobustRound:
         norm = l2_norm(delta)
         self.count += 1
         bound = self.bound.bound()
-        if self.aggregator == "mean" and (bound is not None or not self.bound.enabled):
-            self.stream.add(self._clip(device, delta, norm, bound), weight, steps)
-        else:
-            self.held.append(Held(device, {n: np.asarray(a, dtype=np.float32) for n, a in delta.items()},
-                                  weight, steps, norm))
+        if self.streaming and (bound is not None or not self.bound.enabled):
+            self._stream(device, delta, norm, bound, weight, steps)
+            return
+        self.held.append(Held(device, {n: np.asarray(a, dtype=np.float32) for n, a in delta.items()},
+                              weight, steps, norm))
+        if self.streaming and len(self.held) >= self.bound.warmup:
+            self._flush_held()  # a cold start holds at most `warmup` updates
+
+    def _stream(self, device: str, delta: Mapping[str, np.ndarray], norm: float, bound: float | None,
+                weight: float, steps: int) -> None:
+        clipped = self._clip(device, delta, norm, bound)
+        if self.center is not None:
+            clipped = self._center(device, clipped)
+        self.stream.add(clipped, weight, steps)
 
     def _clip(self, device: str, delta: Mapping[str, np.ndarray], norm: float,
               bound: float | None) -> Mapping[str, np.ndarray]:
         if bound is None:
             return delta
-        self.bound.record(min(norm, bound))
+        self.bound.record(min(norm, bound), device)
         if norm <= bound:
             return delta
         self.clipped[device] = (norm, bound)
         scale = bound / norm
         return {name: a * scale for name, a in delta.items()}
 
+    def _center(self, device: str, delta: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """c + clip(delta - c, tau), tau from the distances of earlier rounds (none while they are few)."""
+        assert self.center is not None
+        offset = {name: np.asarray(delta[name], dtype=np.float32) - self.center[name] for name in self.specs}
+        distance = l2_norm(offset)
+        tau = self.tau
+        self.radius.record(distance if tau is None else min(distance, tau), device)
+        if tau is None or distance <= tau:
+            return delta
+        self.centered[device] = (distance, tau)
+        scale = tau / distance
+        return {name: self.center[name] + offset[name] * scale for name in self.specs}
+
+    def _flush_held(self) -> None:
+        """Clip the held (cold-start) deltas against their own median norm and stream them."""
+        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
+        held, self.held = self.held, []
+        for h in held:
+            self._stream(h.device, h.delta, h.norm, bound, h.weight, h.steps)
+
     def mean(self) -> dict[str, np.ndarray]:
         """The round's aggregate delta (called once, when the round closes)."""
         if self.count == 0:
             raise ValueError("no updates were folded in")
+        if self.streaming:
+            return self.streamed().mean()
         clipped = self._clip_held()
         if self.aggregator == "gated_mean":
-            clipped = self._gate(clipped)
-        if self.aggregator in ("mean", "gated_mean"):
-            for h, delta in clipped:
+            for h, delta in self._gate(clipped):
                 self.stream.add(delta, h.weight, h.steps)
             return self.stream.mean()
         out = {}
@@ -106,7 +161,6 @@ class RobustRound:
                          else trimmed_mean(stack, self.trim)).astype(np.float32)
         return out
 
-
     def _clip_held(self) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
         bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
         clipped = [(h, self._clip(h.device, h.delta, h.norm, bound)) for h in self.held]
@@ -114,12 +168,12 @@ class RobustRound:
         return clipped
 
     def streamed(self) -> StreamingMean:
-        """Aggregator "mean" only: the weighted sums with any held (cold-start) deltas clipped and
-        folded in; what a site aggregator sends up instead of the mean (see `partials`)."""
-        if self.aggregator != "mean":
-            raise ValueError(f"only aggregator \"mean\" folds into plain sums, not {self.aggregator!r}")
-        for h, delta in self._clip_held():
-            self.stream.add(delta, h.weight, h.steps)
+        """A streaming fold's weighted sums, any held (cold-start) deltas folded in: what a site
+        aggregator sends up instead of the mean (see `partials`)."""
+        if not self.streaming:
+            raise ValueError(f"only the streaming folds ({', '.join(STREAMING)}) reduce to sums, "
+                             f"not {self.aggregator!r}")
+        self._flush_held()
         return self.stream
 
     def _gate(self, clipped: list[tuple[Held, Mapping[str, np.ndarray]]]) -> list[tuple[Held, Mapping[str, np.ndarray]]]:

@@ -10,7 +10,8 @@ from edgefl_protocol import algorithms, codec, delta_downlink, downlink
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.task_limits import check_training
 
-from .robust import AGGREGATORS
+from . import composition
+from .robust import AGGREGATORS, DEFAULT_AGGREGATOR
 from .selection import POLICIES
 from .staleness import check_buffered
 from .trust import WEIGHTINGS
@@ -48,7 +49,8 @@ class RoundSettings:
     weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
     weight_cap: float = 2.0  # capped: at most this times the median trusted sample count
     norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
-    aggregator: str = "gated_mean"  # gated_mean | mean | trimmed_mean | median (see broker_coordinator/robust.py)
+    # centered_clip | mean (both streaming, O(model)) | gated_mean | trimmed_mean | median (see broker_coordinator/robust.py)
+    aggregator: str = DEFAULT_AGGREGATOR
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
@@ -102,6 +104,7 @@ class RoundSettings:
                 raise ValueError(message)
         if self.mode == "buffered":
             check_buffered(self)
+        composition.check(self, "flat")  # the schedule's compositions; config.load adds the topology's
         try:  # the ranges every agent enforces: a task they would all refuse is a config error here
             check_training(self.task_hparams(1))
         except Rejected as exc:

@@ -25,9 +25,6 @@ DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex H
 
 def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     fed, b = config.federation, config.broker
-    if config.sites and config.rounds.mode == "buffered":
-        raise ValueError(f"{config.path}: [rounds] mode = \"buffered\" runs a flat federation; remove the "
-                         "[sites.*] sections or use mode = \"sync\" (site aggregators fold per round)")
     objective = Objective.of(fed.task, fed.loss)
     test_set = load_npz(fed.test_data, fed.task) if fed.test_data else None
     metrics = Metrics()

@@ -15,9 +15,10 @@ every selected device has answered, as the coordinator does in a flat federation
 workers talking to each other. Otherwise the task's deadline closes the share.
 
 Trust in a tree: the sample-weight cap and the norm bound are applied per site, against the
-history of the site's own devices, and the fold is the plain weighted mean (aggregator "mean"):
-the coordinate-wise median that gated_mean, trimmed_mean and median need is not a sum, so a
-partial cannot carry it (the coordinator refuses those aggregators in tree mode, see `tree`).
+history of the site's own devices, and the fold is the round's streaming fold (`robust.STREAMING`:
+centered_clip, by default, around the centre the site task carries, or mean), judged update by
+update exactly as at the centre. The coordinate-wise median that gated_mean, trimmed_mean and
+median need is not a sum, so a partial cannot carry it (`composition` refuses them in sites).
 The site's trust history lives in the worker's memory: a restarted worker starts cold (equal
 weights and its first round's own median norm, as a fresh coordinator does).
 """
@@ -49,8 +50,8 @@ from .coordinator import REPLAY_ROUNDS
 from .intake import UpdateIntake
 from .presence import DevicePresence
 from .metrics import Metrics
-from .partials import (Partial, SiteTask, decode_site_task, encode_partial, make_partial, pooled_evaluation,
-                       site_topic, summarize)
+from .partials import (Partial, SiteTask, decode_center, decode_site_task, encode_partial, make_partial,
+                       pooled_evaluation, site_task_cap, site_topic, summarize)
 from .robust import RobustRound
 from .round_settings import RoundSettings
 from .rounds import Round, RoundState
@@ -58,7 +59,7 @@ from .selection import select
 from .trust import NormBound, SampleWeights
 
 log = logging.getLogger("broker_coordinator.site")
-TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps")
+TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -133,6 +134,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.rules: dict[str, Any] | None = None
         self.sample_weights = SampleWeights()
         self.norm_bound = NormBound()
+        self.radius = NormBound()  # centered_clip: distances of this site's devices from the round's centre
         self.rng = random.Random(f"{seed}/{site}")
         self.current: Round | None = None
         self.sent: set[tuple[int, int]] = set()  # (round, attempt) whose partial went up
@@ -215,7 +217,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
     # the leader: a site task becomes a cohort and device tasks -----------------------------
     def _on_site_task(self, payload: bytes) -> None:
         try:
-            site_task = decode_site_task(payload)
+            site_task = decode_site_task(payload, site_task_cap(self.specs))
             task = messages.decode_task(site_task.task)
         except Rejected as exc:
             log.error("site task ignored: %s", exc)
@@ -247,7 +249,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
     def _on_cohort(self, payload: bytes) -> None:
         try:
             obj = msgpack.unpackb(payload, raw=False)
-            site_task = decode_site_task(obj["site_task"])
+            site_task = decode_site_task(obj["site_task"], site_task_cap(self.specs))
             task = messages.decode_task(site_task.task)
             devices = set(obj["devices"])
         except (Rejected, KeyError, TypeError, ValueError) as exc:
@@ -269,7 +271,14 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             self.rules = rules
             self.sample_weights = SampleWeights(rules.get("weighting", "capped"), rules.get("weight_cap", 2.0))
             self.norm_bound = NormBound(rules.get("norm_bound", 1.5))
-        self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, aggregator="mean", **rules)
+            self.radius = NormBound(rules.get("norm_bound", 1.5) or 1.5)
+        rules.setdefault("aggregator", "mean")  # a coordinator from before the centre was sent
+        self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
+        try:
+            center = decode_center(site_task, self.specs)
+        except Rejected as exc:
+            log.error("round %d: the site task's centre is unusable (%s); folding without one", site_task.round, exc)
+            center = None
         self.objective = Objective.of(task.task, task.loss)
         self.algorithm = algorithms.get(task.algorithm)
         self.server_rule = SiteRule(self.algorithm.server(task.hparams))
@@ -280,7 +289,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)
         self.sample_weights.start_round()
         rnd = Round(site_task.round, site_task.attempt, cohort, task.deadline, task.model_version,
-                    RobustRound(self.specs, self.norm_bound, "mean", normalize_steps=self.settings.normalize_steps),
+                    RobustRound(self.specs, self.norm_bound, self.settings.aggregator,
+                                normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius),
                     train=task.train)
         rnd.move(RoundState.COLLECTING)
         return rnd
@@ -307,6 +317,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         observed = ([[d, int(m.get("num_samples", 0)), {k: v for k, v in m.items() if k in rule.reads}]
                      for d, m in rnd.device_metrics.items()] if per_device else [])
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
+        if rnd.aggregate.centered:
+            clipped["center"] = len(rnd.aggregate.centered)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,

@@ -40,26 +40,15 @@ def served_algorithms() -> list[str]:
 
 
 def check_buffered(settings: RoundSettings) -> None:
-    """The [rounds] keys of mode = "buffered"; a ValueError names the key at fault."""
+    """The ranges of [rounds] keys of mode = "buffered"; a ValueError names the key at fault. What
+    buffered mode runs together with is `composition`'s to say."""
     checks = [
         (settings.buffer_size >= 1, "buffer_size must be >= 1 (accepted updates per applied version)"),
         (settings.max_staleness >= 0, "max_staleness must be >= 0 (versions an update may lag behind; "
                                       "0 accepts only updates trained on the current version)"),
         (settings.staleness_weight in STALENESS_WEIGHTS,
          f"staleness_weight must be one of {', '.join(STALENESS_WEIGHTS)}, got {settings.staleness_weight!r}"),
-        # devices evaluate the version they received: in buffered mode a mix of versions, not one model
-        (settings.evaluate in ("auto", "central"), 'evaluate must be "central" (or "auto" with a test set) in '
-                                                  'buffered mode: devices would each measure a different version'),
-        (settings.eval_only_every == 0, "eval_only_every must be 0 in buffered mode (there are no rounds to "
-                                        "pause for an evaluation)"),
-        # several versions are in flight at once, and the delta chains assume one; not measured together
-        (settings.downlink == "full", 'downlink must be "full" in buffered mode (delta chains follow one version '
-                                      'at a time; the two are not built to work together yet)'),
     ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    why = algorithms.get(settings.algorithm).server(settings.task_hparams(1)).asynchronous_refusal()
-    if why:
-        raise ValueError(f'mode = "buffered" cannot serve algorithm = "{settings.algorithm}": {why}. '
-                         f"Choose algorithm = one of {', '.join(served_algorithms())}, or mode = \"sync\"")

@@ -12,8 +12,8 @@ number of devices: a site task and a partial per worker (see `partials`).
 The sites close their share `site_margin` seconds before the round's deadline (the device tasks
 name that earlier deadline), so that their partials are up in time.
 
-Supported only with aggregator "mean": see `site_aggregator` for why, and for where the trust
-bounds apply.
+The sites run the round's streaming fold (`robust.STREAMING`), with the centre the coordinator
+sends in each site task; what does not run in sites is `composition`'s to say.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
 from models.objectives import Evaluation
 
+from . import composition
 from .coordinator import Coordinator, RoundFailed, RoundRecord
-from .partials import (SiteTask, TreeSum, all_site_topics, decode_partial, encode_site_task, parse_site_topic,
-                       site_topic)
+from .partials import (SiteTask, TreeSum, all_site_topics, decode_partial, encode_center, encode_site_task,
+                       parse_site_topic, site_topic)
 from .rounds import Round, RoundState
 from .store import model_sha256
 from .site_aggregator import TRUST_RULES
@@ -77,15 +78,7 @@ def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
 class TreeCoordinator(Coordinator):
     def __init__(self, *args: Any, sites: Mapping[str, SiteSpec], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.settings.aggregator != "mean":
-            raise ValueError(f"[rounds] aggregator = {self.settings.aggregator!r} cannot run in sites: gated_mean, "
-                             "trimmed_mean and median need every delta of a round in one place (its coordinate-"
-                             "wise median), and a site sends up only sums. Set aggregator = \"mean\" (the norm "
-                             "bound and the weight cap still apply, per site)")
-        if self.settings.downlink != "full":
-            raise ValueError("[rounds] downlink = \"delta\" cannot run in sites yet: the broadcast model's "
-                             "state is not kept in a tree's checkpoints and the bridges were not measured with "
-                             "deltas. Set downlink = \"full\" (the model crosses each bridge once per version)")
+        composition.check(self.settings, "sites")
         if not sites:
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
@@ -165,11 +158,12 @@ class TreeCoordinator(Coordinator):
                              self.objective.task, self.objective.loss,
                              evaluate=self.evaluate_devices or not rnd.train, train=rnd.train)
         rules = {name: getattr(s, name) for name in TRUST_RULES}
+        center_specs, center = encode_center(self.center if s.aggregator == "centered_clip" else None)
         payload = messages.encode("task", task)
         assert self.session is not None
         unsent = self.session.publish_all(
             [(site_topic(self.fed, site, "task"),
-              encode_site_task(SiteTask(round_no, attempt, k, payload, rules))) for site, k in sorted(share.items())],
+              encode_site_task(SiteTask(round_no, attempt, k, payload, rules, center_specs, center))) for site, k in sorted(share.items())],
             min(deadline, time.time() + 60))
         for topic in unsent:
             log.error("round %d: the task for site %s could not be published", round_no, topic.split("/")[3])

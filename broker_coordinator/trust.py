@@ -24,7 +24,7 @@ updates and clips them with the bound of what it has seen (see `robust`).
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,29 +79,49 @@ class SampleWeights:
 
 
 class NormBound:
-    """An adaptive bound on the L2 norm of accepted deltas: `multiplier` x the median of recent ones."""
+    """An adaptive bound on the L2 norm of accepted deltas: `multiplier` x the median of recent ones.
+
+    The history keeps one norm per device (its latest, clipped), for the last `window` devices
+    heard from: a device that keeps sending zeros (or tiny deltas) holds one entry, so it cannot
+    pull the median, and with it every honest device's bound, down to nothing; and a device that
+    stops doing so moves its entry back up at its next honest update."""
 
     def __init__(self, multiplier: float = 1.5, window: int = 100, warmup: int = 5) -> None:
-        self.multiplier, self.warmup = multiplier, warmup
-        self.history: deque[float] = deque(maxlen=window)
+        self.multiplier, self.warmup, self.window = multiplier, warmup, window
+        self.by_device: OrderedDict[str, float] = OrderedDict()
+        self._anonymous = 0
 
     @property
     def enabled(self) -> bool:
         return self.multiplier > 0
 
+    @property
+    def history(self) -> list[float]:
+        return list(self.by_device.values())
+
     def bound(self, extra: list[float] | None = None) -> float | None:
         """The bound now; `extra` are norms of held updates, used while the history is short."""
-        norms = list(self.history) + list(extra or [])
+        norms = self.history + list(extra or [])
         if not self.enabled or not norms or (len(norms) < self.warmup and extra is None):
             return None
         return self.multiplier * statistics.median(norms)
 
-    def record(self, norm: float) -> None:
-        self.history.append(norm)
+    def record(self, norm: float, device: str = "") -> None:
+        if not device:  # no identity (tests, old checkpoints): each norm its own entry
+            self._anonymous += 1
+            device = f"#{self._anonymous}"
+        self.by_device.pop(device, None)
+        self.by_device[device] = float(norm)
+        while len(self.by_device) > self.window:
+            self.by_device.popitem(last=False)
 
     def state(self) -> dict[str, Any]:
-        return {"history": list(self.history)}
+        return {"by_device": dict(self.by_device)}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.history.clear()
-        self.history.extend(float(n) for n in state.get("history") or [])
+        self.by_device.clear()
+        self._anonymous = 0
+        for device, norm in (state.get("by_device") or {}).items():
+            self.record(float(norm), str(device))
+        for norm in state.get("history") or []:  # a checkpoint from before per-device entries
+            self.record(float(norm))

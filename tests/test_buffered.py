@@ -52,9 +52,12 @@ def test_buffered_refuses_dual_algorithms_and_says_what_to_choose(algorithm):
                                             ("max_staleness", -1, "max_staleness must be >= 0"),
                                             ("staleness_weight", "linear", "staleness_weight must be one of"),
                                             ("mode", "async", "mode must be one of sync, buffered"),
-                                            ("evaluate", "devices", 'evaluate must be "central"'),
-                                            ("eval_only_every", 3, "eval_only_every must be 0 in buffered"),
-                                            ("downlink", "delta", 'downlink must be "full" in buffered')])
+                                            ("evaluate", "devices", 'mode buffered \\+ evaluate devices .* '
+                                                                    'set evaluate = "central"'),
+                                            ("eval_only_every", 3, "mode buffered \\+ eval_only_every .* "
+                                                                   "set eval_only_every = 0"),
+                                            ("downlink", "delta", 'mode buffered \\+ downlink delta .* '
+                                                                  'set downlink = "full"')])
 def test_buffered_settings_are_validated_naming_the_key(key, value, says):
     with pytest.raises(ConfigError, match=says):
         build_section(RoundSettings, {"mode": "buffered", "algorithm": "fedavg", key: value}, "c.toml [rounds]")

@@ -18,7 +18,7 @@ import pytest
 from broker_coordinator.broker import COORDINATOR_USER
 from broker_coordinator.coordinator import Coordinator, RoundSettings
 from broker_coordinator.local_sites import LocalSites
-from broker_coordinator.partials import SiteTask, decode_partial, encode_partial
+from broker_coordinator.partials import SiteTask, decode_partial, encode_center, encode_partial
 from broker_coordinator.site_aggregator import SiteWorker
 from broker_coordinator.tree import SiteSpec, TreeCoordinator, quotas
 from edgefl_protocol import codec, messages, signing, topics
@@ -106,11 +106,55 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
                for n in flat.weights), "the round changed nothing: the comparison would be empty"
 
 
+@pytest.mark.parametrize("algorithm", ["fedavg", "feddyn", "dynsam"])
+def test_the_default_fold_gives_the_same_model_flat_and_in_sites(digits, algorithm):
+    """centered_clip with a centre (a round after the first) and a radius that clips some updates: each
+    site judges its devices by the centre its task carries, as the flat coordinator judges them."""
+    settings = RoundSettings(algorithm=algorithm, codec="float32", weighting="uniform", norm_bound=0,
+                             round_timeout=60)
+    assert settings.aggregator == "centered_clip"
+    where = fleet({"north": 3, "south": 3})
+    keys = {d: signing.new_key() for d in where}
+    site_keys = {s: signing.new_key() for s in set(where.values())}
+    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+                           sites={site: SiteSpec(1, site_keys[site]) for site in site_keys})
+    rng = np.random.default_rng(5)
+    center = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in flat.specs.items()}
+    history = {"by_device": {f"old-{i}": 2.0 + 0.1 * i for i in range(9)}}  # radius 1.5 x 2.4
+    for coordinator in (flat, tree):
+        coordinator.center = {n: a.copy() for n, a in center.items()}
+        coordinator.radius.load_state(history)
+    specs = {**flat.specs, **flat.extra_specs}
+    task = messages.Task(1, 0, time.time() + 60, algorithm, settings.task_hparams(1), {}, "float32", 1)
+    payloads = {d: signed_update(d, keys[d], task, specs, rng, 50) for d in where}
+    flat_record = flat.fold_round(payloads)
+    assert flat_record.clipped.get("center", 0) >= 2, "no update was far enough to be clipped"
+
+    site_task = SiteTask(1, 1, 0, messages.encode("task", task), {"weighting": "uniform", "norm_bound": 0.0,
+                                                                  "aggregator": "centered_clip"},
+                         *encode_center(center))
+    partials = []
+    for site in site_keys:
+        worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
+        worker._open(site_task, task, set())  # learns the rules; then the same radius history as the centre
+        worker.radius.load_state(history)
+        rnd = worker._open(site_task, task, {d for d, s in where.items() if s == site})
+        for device in (d for d, s in where.items() if s == site):
+            worker._on_update(rnd, device, payloads[device], time.time())
+        partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
+    tree_record = tree.fold_partials({"north": 3, "south": 3}, partials)
+    assert tree_record.clipped.get("center") == flat_record.clipped["center"]
+    for name in flat.weights:
+        np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
+
+
 def test_tree_mode_refuses_aggregators_a_partial_cannot_carry(digits):
-    with pytest.raises(ValueError, match="aggregator = \"mean\""):
-        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(), sites={"north": SiteSpec(1, signing.new_key())})
+    with pytest.raises(ValueError, match="aggregator = one of centered_clip, mean"):
+        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(aggregator="gated_mean"),
+                        sites={"north": SiteSpec(1, signing.new_key())})
     with pytest.raises(ValueError, match="downlink = \"full\""):
-        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(aggregator="mean", downlink="delta"),
+        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(downlink="delta"),
                         sites={"north": SiteSpec(1, signing.new_key())})
 
 
@@ -332,10 +376,10 @@ def test_config_names_sites_and_refuses_what_they_cannot_run(tmp_path):
     from edgefl_protocol.settings import ConfigError
     base = '[federation]\ntest_data = "t.npz"\nmodel = "digits_mlp"\n[broker]\npassword = "x"\n'
     path = tmp_path / "c.toml"
-    path.write_text(base + '[sites.north]\ndevices = "north-*, pi-07"\n')
-    with pytest.raises(ConfigError, match='aggregator = "mean"'):
+    path.write_text(base + '[rounds]\naggregator = "median"\n[sites.north]\ndevices = "north-*, pi-07"\n')
+    with pytest.raises(ConfigError, match='aggregator = one of centered_clip, mean'):
         load_config(path)
-    path.write_text(base + '[rounds]\naggregator = "mean"\n[sites.north]\ndevices = "north-*, pi-07"\n')
+    path.write_text(base + '[sites.north]\ndevices = "north-*, pi-07"\n')  # the default fold runs in sites
     site = load_config(path).sites["north"]
     assert site.holds("north-3") and site.holds("pi-07") and not site.holds("south-1")
     path.write_text(base + '[sites.north]\ndevices = "north-*"\nworkers = 0\n')

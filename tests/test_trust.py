@@ -57,14 +57,47 @@ def test_a_huge_delta_is_clipped_to_the_median_of_recent_norms():
     assert max(bound.history) == pytest.approx(1.5)  # the history records the clipped norm, not the claim
 
 
-def test_a_cold_start_holds_the_first_round_and_clips_against_its_own_median():
-    rnd = RobustRound(SPECS, NormBound(multiplier=1.5, warmup=5), "mean")
+@pytest.mark.parametrize("aggregator", ["mean", "centered_clip"])
+def test_a_cold_start_holds_only_warmup_updates_and_clips_them_against_their_own_median(aggregator):
+    rnd = RobustRound(SPECS, NormBound(multiplier=1.5, warmup=5), aggregator)
     for i in range(4):
         rnd.add(f"d{i}", {"w": np.full(4, 0.5, np.float32)}, 1.0)
+    assert len(rnd.held) == 4
     rnd.add("attacker", {"w": np.full(4, -1e6, np.float32)}, 1.0)
-    assert len(rnd.held) == 5
+    assert rnd.held == [] and rnd.stream.count == 5  # the fifth flushes the hold: memory O(model) from here
+    for i in range(50):
+        rnd.add(f"e{i}", {"w": np.full(4, 0.5, np.float32)}, 1.0)
+        assert rnd.held == []
     mean = rnd.mean()["w"]
-    assert np.allclose(mean, (4 * 0.5 - 0.75) / 5)
+    assert np.allclose(mean, (54 * 0.5 - 0.75) / 55)
+
+
+def test_a_device_sending_zeros_round_after_round_cannot_collapse_the_bound():
+    bound = NormBound(multiplier=1.5, warmup=3)
+    for i in range(5):
+        bound.record(1.0, f"honest-{i}")
+    for _ in range(200):  # one device, a zero delta every round (issue: 46 such rounds froze a federation)
+        bound.record(0.0, "quiet")
+    assert bound.bound() == pytest.approx(1.5)
+    assert len(bound.history) == 6
+
+
+def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre():
+    center = {"w": np.full(4, 0.5, np.float32)}
+    radius = NormBound(multiplier=1.5, warmup=3)
+    for i in range(3):
+        radius.record(0.2, f"h{i}")
+    rnd = RobustRound(SPECS, NormBound(multiplier=0), "centered_clip", center=center, radius=radius)
+    honest = {"w": np.full(4, 0.55, np.float32)}  # distance 0.1 from the centre: kept as it is
+    for i in range(4):
+        rnd.add(f"d{i}", honest, 1.0)
+    rnd.add("attacker", {"w": np.full(4, -0.5, np.float32)}, 1.0)  # distance 2.0 from the centre
+    distance, tau = rnd.centered["attacker"]
+    # the radius: 1.5 x the median distance of earlier rounds, fixed for the round
+    assert distance == pytest.approx(2.0) and tau == pytest.approx(1.5 * 0.2)
+    pulled = 0.5 - tau / 2  # c + tau * unit(delta - c): each of 4 coordinates moves tau / 2
+    assert np.allclose(rnd.mean()["w"], (4 * 0.55 + pulled) / 5, atol=1e-6)
+    assert set(rnd.centered) == {"attacker"}
 
 
 @pytest.mark.parametrize("aggregator", ["trimmed_mean", "median"])

@@ -1,0 +1,154 @@
+"""The shipped engine with an in-memory transport: benchmarks that need many runs without a broker.
+
+Each round, the driver selects the cohort as the coordinator does, and every selected device does
+what `edge_agent.agent.Agent._train_and_send` does: chooses its local epochs from its speed and the
+deadline when the task says `local_epochs = 0` (`hardware.plan_epochs`), trains with the
+algorithm's client rule (`training.train_locally`), encodes the delta with the task's codec and its
+own error feedback, and signs the update with its key. The signed payloads go through the real
+`Coordinator.fold_round`: signature, validation, trust bounds, the default fold, the server rule,
+evaluation. A device commits its algorithm state and its codec residual only when its update was
+accepted, as the agent does on its receipt.
+
+What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
+against `round_timeout` at its emulated speed), and a device's speed is the host's calibrated
+throughput times its class's speed (`broker_coordinator.fleet.PROFILES`), measured once per process.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from broker_coordinator.coordinator import Coordinator, RoundFailed, RoundRecord
+from broker_coordinator.fleet import PROFILES
+from broker_coordinator.round_settings import RoundSettings
+from broker_coordinator.selection import select
+from edge_agent.agent import local_settings, owed
+from edge_agent.hardware import calibrate, plan_epochs
+from edge_agent.training import train_locally
+from edgefl_protocol import algorithms, codec, messages, signing
+from models.architectures import build_model, resolve, set_weights
+from models.datasets import Dataset
+
+FED = "bench"
+MAX_VALUES = 1 << 26
+_host_speed: dict[str, float] = {}
+
+
+def host_speed(arch: str) -> float:
+    """Training samples/s of one thread of this machine for `arch` (calibrated once per process)."""
+    if arch not in _host_speed:
+        model = build_model(arch)
+        _host_speed[arch] = calibrate(model, resolve(arch).input_shape)
+    return _host_speed[arch]
+
+
+@dataclass
+class Trained:
+    """One device's work of a round, before the coordinator's verdict."""
+    payload: bytes
+    rule: Any
+    before: dict
+    encoded: codec.Encoded
+    delta: dict[str, np.ndarray]
+    old_residual: dict | None
+    metrics: dict
+
+
+# (device, delta, num_samples, round) -> (delta, num_samples): what a malicious device sends instead
+Tamper = Callable[[str, dict[str, np.ndarray], int, int], tuple[dict[str, np.ndarray], int]]
+
+
+@dataclass
+class InMemoryFederation:
+    arch: str
+    clients: list[Dataset]
+    test: Dataset
+    settings: RoundSettings
+    seed: int = 0
+    clients_per_round: int = 10
+    fleet: list[str] = field(default_factory=list)  # a device class per client (default: all pi4)
+    data_of: Callable[[str, Dataset], Dataset] | None = None  # a device's training data (attacks change it)
+    tamper: Tamper | None = None
+    mirror_agent_seed: bool = False  # the agent's local shuffling seed (device/round), not device/round/seed
+
+    def __post_init__(self) -> None:
+        self.devices = [f"dev-{i:03d}" for i in range(len(self.clients))]
+        self.data = dict(zip(self.devices, self.clients))
+        self.keys = {d: signing.new_key() for d in self.devices}
+        self.classes = dict(zip(self.devices, self.fleet or ["pi4"] * len(self.devices)))
+        self.states: dict[str, dict] = {d: {} for d in self.devices}
+        self.coordinator = Coordinator(FED, self.arch, self.test, self.settings, seed=self.seed,
+                                       device_keys=self.keys)
+        self.rng = random.Random(self.seed)
+        self.last_metrics: dict[str, dict] = {}
+        self.algorithm = algorithms.get(self.settings.algorithm)
+
+    def round(self, round_no: int) -> RoundRecord | None:
+        """One round through the coordinator's own intake and fold; None if nothing was accepted."""
+        k = len(self.devices) if self.clients_per_round == 0 else min(self.clients_per_round, len(self.devices))
+        cohort = sorted(select(self.settings.selection, self.devices, k, self.rng, self.last_metrics))
+        hp = self.settings.task_hparams(round_no)
+        trained = {device: self._train(device, round_no, hp) for device in cohort}
+        try:
+            record = self.coordinator.fold_round({d: t.payload for d, t in trained.items()}, round_no)
+        except RoundFailed:
+            record = None
+        for device, work in trained.items():
+            self._settle(device, work, (device, round_no, 1) in self.coordinator.accepted)
+            self.last_metrics[device] = work.metrics
+        return record
+
+    def _train(self, device: str, round_no: int, hp: dict) -> Trained:
+        server = self.coordinator.server_rule
+        model = build_model(self.arch)
+        set_weights(model, self.coordinator.weights)
+        settings = local_settings(hp)
+        state = self.states[device]
+        before = copy.deepcopy(state.get(self.algorithm.name, {}))
+        rule_state = state.setdefault(self.algorithm.name, {})
+        data = self.data_of(device, self.data[device]) if self.data_of else self.data[device]
+        if settings.epochs == 0:
+            speed = host_speed(self.arch) * PROFILES[self.classes[device]].speed
+            settings.epochs = plan_epochs(speed, len(data), self.settings.round_timeout,
+                                          tau=float(rule_state.get("tau", 0.0)),
+                                          passes_per_step=float(hp.get("passes_per_step", 1.0))).epochs
+        rule = self.algorithm.client(hp, server.broadcast(), rule_state, server.broadcast_tensors())
+        local_seed = f"{device}/{round_no}" if self.mirror_agent_seed else f"{device}/{round_no}/{self.seed}"
+        out = train_locally(model, data, rule, settings, zlib.crc32(local_seed.encode()))
+        delta, num_samples = out.delta, out.num_samples
+        if self.tamper is not None:
+            delta, num_samples = self.tamper(device, delta, num_samples, round_no)
+        ef = state.setdefault("codec", {})
+        old_residual = ef.get("residual")
+        encoded = codec.encode(delta, self.settings.codec, old_residual)
+        update = messages.Update(device, round_no, self.coordinator.version, num_samples, out.metrics,
+                                 encoded.body, encoded.codec, encoded.specs, FED, 1)
+        return Trained(messages.encode_update(update, self.keys[device]), rule, before, encoded, delta,
+                       old_residual, dict(out.metrics))
+
+    def _settle(self, device: str, work: Trained, accepted: bool) -> None:
+        """The agent's answer to its receipt: commit what the server folded, or owe all of it."""
+        state, ef = self.states[device], self.states[device].setdefault("codec", {})
+        if accepted:
+            lossless = codec.parse(work.encoded.codec).lossless
+            work.rule.committed(work.delta if lossless else
+                                codec.decode(work.encoded.codec, work.encoded.specs, work.encoded.body, None,
+                                             MAX_VALUES))
+            ef["residual"] = work.encoded.residual
+        else:
+            state[self.algorithm.name] = work.before
+            ef["residual"] = owed(work.delta, work.old_residual) if work.encoded.residual is not None else None
+        if ef.get("residual") is None:
+            ef.pop("residual", None)
+
+
+def set_threads(n: int = 1) -> None:
+    torch.set_num_threads(n)

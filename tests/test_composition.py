@@ -1,0 +1,53 @@
+"""The one composition check: every refusal is a rule of `composition`, worded once, raised at
+config load for every entry point, and listed in docs/ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from broker_coordinator import composition
+from broker_coordinator.config import load_config
+from broker_coordinator.round_settings import RoundSettings
+from edgefl_protocol.settings import ConfigError
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md"
+
+
+def test_the_defaults_compose_in_every_schedule_and_topology():
+    for mode in ("sync", "buffered"):
+        for topology in composition.TOPOLOGIES:
+            settings = RoundSettings(mode=mode, algorithm="fedavg" if mode == "buffered" else "dynsam")
+            refused = composition.refusals(settings, topology)
+            expected = ["mode buffered + topology sites"] if (mode, topology) == ("buffered", "sites") else []
+            assert [r.combination for r in refused] == expected
+
+
+@pytest.mark.parametrize("aggregator", ["gated_mean", "trimmed_mean", "median"])
+def test_sites_refuse_folds_that_need_every_delta_and_say_which_run(aggregator):
+    with pytest.raises(ValueError, match=r"set aggregator = one of centered_clip, mean"):
+        composition.check(RoundSettings(aggregator=aggregator), "sites")
+    composition.check(RoundSettings(aggregator=aggregator), "flat")
+
+
+def test_config_load_refuses_a_site_combination_before_anything_starts(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[federation]\ntest_data = "t.npz"\nmodel = "digits_mlp"\n[broker]\npassword = "x"\n'
+                    '[rounds]\nmode = "buffered"\nalgorithm = "fedavg"\n[sites.north]\ndevices = "north-*"\n')
+    with pytest.raises(ConfigError, match=r"mode buffered \+ topology sites is refused \(not built"):
+        load_config(path)
+
+
+def test_every_rule_is_listed_in_the_architecture_doc():
+    text = DOCS.read_text()
+    section = text[text.index("## What runs together"):]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(composition.RULES)
+    for row, rule in zip(rows, composition.RULES):
+        kind = row.split("|")[-3].strip() if row.count("|") >= 4 else ""
+        assert rule.kind in row, f"{rule.combination}: the doc's row says {kind!r}"
+        for word in re.findall(r"[a-z_]+", rule.combination):
+            if len(word) > 3 and word not in ("with", "topology", "mode", "algorithm", "aggregator", "duals"):
+                assert word in row, f"{rule.combination}: {word!r} is not in the doc's row {row!r}"
