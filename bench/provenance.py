@@ -2,6 +2,8 @@
 
     measured_with(command, settings, **extra) -> {"commit": ..., "command": ..., **settings, **extra}
     defaults() -> today's shipped values of the settings that decide a result
+    deciding(round_settings, topology) -> the same keys, read from any RoundSettings
+    invoked() -> this process's command line, as "python -m bench.NAME ARGS"
 
 `commit` is the short sha of this checkout's HEAD, with "+dirty" when tracked files outside
 `bench/results/` differ from it (the run measured code that no commit holds). `settings` uses the key names of `defaults()`
@@ -27,6 +29,7 @@ Other keys (data, partition, seeds, ...) are free-form.
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,12 @@ def defaults() -> dict[str, Any]:
     from broker_coordinator.config import CoordinatorConfig
     from broker_coordinator.round_settings import RoundSettings
 
-    rounds = RoundSettings()
     sites = CoordinatorConfig.__dataclass_fields__["sites"].default_factory()
+    return deciding(RoundSettings(), "sites" if sites else "flat")
+
+
+def deciding(rounds: Any, topology: str = "flat") -> dict[str, Any]:
+    """The deciding settings of one `RoundSettings`, under the key names of `defaults()`."""
     return {
         "algorithm": rounds.algorithm,
         "momentum": rounds.momentum,
@@ -50,7 +57,7 @@ def defaults() -> dict[str, Any]:
         "weighting": rounds.weighting,
         "norm_bound": rounds.norm_bound,
         "mode": rounds.mode,
-        "topology": "sites" if sites else "flat",
+        "topology": topology,
     }
 
 
@@ -66,6 +73,16 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
+
+
+def invoked() -> str:
+    """How this process was started, as a command to rerun: "python -m bench.field --quick"."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
+    except ValueError:
+        return " ".join(["python", *sys.argv])
+    return " ".join(["python", "-m", module, *sys.argv[1:]])
 
 
 def measured_with(command: str, settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
