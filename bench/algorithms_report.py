@@ -8,6 +8,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from . import provenance
 
 SERVED_DECAY = "0.75"  # the served-average column: EMA decay chosen on the validation runs (bench/tuning.py)
 HEADLINE_MARGIN = 0.005  # the target: the default at least 0.5 points above the best baseline
@@ -107,6 +108,21 @@ def ablation_lines(rows: dict[str, Row], default: str, ablation_names: set[str])
                      f"({len(paired)} paired) | {mean(row.passes) / mean(ref.passes):.2f}x | {row.variant.note} |")
     return lines + [""]
 
+# bench/fedsim.py's fold and transport, as this benchmark runs it: keep in step with fedsim
+FEDSIM = {"aggregator": "mean", "weighting": "reported", "norm_bound": 0.0, "codec": "float32", "downlink": "full"}
+
+
+def measured_with(schema: dict) -> dict:
+    from broker_coordinator.round_settings import RoundSettings
+    shared = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in ("algorithm", "momentum")}
+    return provenance.measured_with(
+        provenance.invoked(), {**shared, **FEDSIM}, varies={"algorithm": "per row", "momentum": [0.0, 0.9]},
+        data="the settings of bench/settings.py", partition="per setting (bench/settings.py)",
+        seeds_per_row={s: {row: len(v["final_accuracy"]) for row, v in rows.items()}
+                       for s, rows in schema["settings"].items()},
+        note="in process (bench/fedsim.py): StreamingMean weighted by the algorithm's rule, no weight cap, no "
+             "norm bound, float32 both ways; local_epochs is what RoundSettings gives fedsim")
+
 
 def report(records: list[dict], variants: dict, default: str, results: Path, out_prefix: str = "algorithms",
            ablation: list | None = None, headline: str = "", runtime_default: str = "") -> None:
@@ -160,6 +176,7 @@ def report(records: list[dict], variants: dict, default: str, results: Path, out
             lines += ablation_lines(rows, default, ablation_names)
         plot(setting, main_rows, results / f"{out_prefix}_{setting}.png", default)
         lines += [f"![accuracy per round]({out_prefix}_{setting}.png)", ""]
+    schema["measured_with"] = details["measured_with"] = measured_with(schema)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{out_prefix}.json").write_text(json.dumps(schema, indent=1) + "\n")
     (results / f"{out_prefix}_details.json").write_text(json.dumps(details, indent=1) + "\n")

@@ -46,6 +46,8 @@ import time
 import zlib
 from pathlib import Path
 
+from . import provenance
+
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -206,6 +208,14 @@ def report(rounds: int, seed: int) -> dict:
     for (attack, fraction, aggregation), r in sorted(runs.items()):
         if attack != "clean":
             out["runs"].setdefault(f"{attack}@{fraction:g}", {})[aggregation] = r["final_accuracy"]
+    from broker_coordinator.round_settings import RoundSettings
+    shared = {k: v for k, v in provenance.deciding(RoundSettings(**MEASURED_WITH)).items()
+              if k not in ("aggregator", "weighting", "norm_bound")}
+    out["measured_with"] = provenance.measured_with(
+        provenance.invoked(), shared, varies={"aggregation": {name: provenance.deciding(
+            RoundSettings(**{**MEASURED_WITH, **overrides})) for name, overrides in AGGREGATIONS.items()}},
+        data="mnist5k", partition="bench/data/mnist5k_dir01_20clients.npz", seeds=[seed],
+        note="in process through Coordinator.fold_round (no broker); runs cached in bench/results/attacks_runs/")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "attacks.json").write_text(json.dumps(out, indent=2) + "\n")
     (RESULTS / "attacks.md").write_text(markdown(out))

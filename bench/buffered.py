@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import provenance
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "buffered_runs"
 AGENTS = 8
@@ -151,6 +153,13 @@ def report(seeds: list[int]) -> dict:
                  "max_staleness": STALENESS, "staleness_weight": "inverse_sqrt", "sync_rounds": SYNC_ROUNDS,
                  "algorithm": "fedavg", "data": "mnist5k dirichlet:0.3", "local_epochs": 1},
     }
+    from broker_coordinator.round_settings import RoundSettings
+    result["measured_with"] = provenance.measured_with(
+        provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg", local_epochs=1))
+                               .items() if k != "mode"},
+        varies={"mode": list(MODES)}, data="mnist5k", partition=f"dirichlet:0.3 over {AGENTS} agents", seeds=seeds,
+        fleet=FLEET, note="simulate's defaults for everything COMMON and MODES do not set; runs cached in "
+                          "bench/results/buffered_runs/")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "buffered.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / "buffered.md").write_text(markdown(result))

@@ -43,6 +43,7 @@ from broker_coordinator.aggregation import StreamingMean  # noqa: E402
 from broker_coordinator.evaluation import evaluate  # noqa: E402
 from edge_agent.training import LocalSettings, train_locally  # noqa: E402
 from edgefl_protocol import algorithms, codec, messages  # noqa: E402
+from bench import provenance  # noqa: E402
 from models.architectures import build_model, get_weights, set_weights  # noqa: E402
 from models.datasets import Dataset, load_mnist5k, mnist_split_perm  # noqa: E402
 
@@ -339,6 +340,13 @@ def main() -> None:
         "codecs": rows, "flower": FLOWER, "zstd": zstd, "zstd_verdict": verdict,
         "default": default, "default_reason": reason,
     }
+    from broker_coordinator.round_settings import RoundSettings
+    report["measured_with"] = provenance.measured_with(
+        report["command"], {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg")).items()
+                            if k not in ("codec", "aggregator", "weighting", "norm_bound")},
+        local_epochs=HP["epochs"], aggregator="mean", weighting="reported", norm_bound=0.0,
+        varies={"codec": list(rows)}, data="mnist5k", partition=str(PARTITION.relative_to(ROOT)),
+        seeds=list(seeds), note="in process: this file's own loop folds with StreamingMean, size-weighted FedAvg")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "codec.json").write_text(json.dumps(report, indent=1))
     (args.out / "codec.md").write_text(markdown(report))

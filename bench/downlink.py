@@ -48,6 +48,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import provenance
+
 from bench.field import CHURN, DEADLINE, FLEET, PARTITION_FILE, run_simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -175,6 +177,11 @@ def report(rounds: int) -> dict:
         result["controlled"]["other_delta_codecs"] = {
             name: {"up": v["up"], "down": v["down"], "points_lost": v["points_lost"]}
             for name, v in c["other_delta_codecs"].items()}
+    result["measured_with"] = provenance.measured_with(
+        provenance.invoked(), {k: v for k, v in provenance.deciding(settings).items() if k != "downlink"},
+        local_epochs=LOCAL_EPOCHS, varies={"downlink": list(MODES)}, data="mnist5k",
+        partition=f"bench/data/{PARTITION_FILE.name}", seeds=seeds,
+        note=f"the field's simulate runs; cached in bench/results/{RUNS.name}/")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{STEM}.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / f"{STEM}.md").write_text(markdown(result))

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import provenance
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FED = "drill"
 TRAINED = re.compile(r"round (\d+): trained")
@@ -71,6 +73,9 @@ def audit(device: str, log_text: str, alive: bool) -> Trace:
     return trace
 
 
+DRILL_ROUNDS = {"local_epochs": 3, "min_updates": 2, "round_timeout": 25, "max_attempts": 0}  # [rounds]
+
+
 def drill(seed: int, rounds: int, workdir: Path) -> dict:
     from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker
     from broker_coordinator.processes import stop_processes
@@ -108,7 +113,7 @@ def drill(seed: int, rounds: int, workdir: Path) -> dict:
             "federation": {"name": FED, "model": "digits_mlp", "rounds": rounds, "test_data": str(test)},
             "broker": {"host": broker.host, "port": broker.port, "username": COORDINATOR_USER,
                        "password": coordinator_password},
-            "rounds": {"local_epochs": 3, "min_updates": 2, "round_timeout": 25, "max_attempts": 0},
+            "rounds": DRILL_ROUNDS,
             "storage": {"state_dir": str(state)},
         }))
         agents: dict[str, subprocess.Popen] = {}
@@ -200,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="edgefl-drill-") as tmp:
         result = drill(args.seed, args.rounds, Path(tmp))
+    from broker_coordinator.round_settings import RoundSettings
+    result["measured_with"] = provenance.measured_with(
+        provenance.invoked(), provenance.deciding(RoundSettings(**DRILL_ROUNDS)), data="digits (digits_mlp)",
+        partition="iid", seeds=[args.seed])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fault_drill.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Fault drill (seed {result['seed']})", "", "Written by `python -m bench.fault_drill`.", "",

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import provenance
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "field_runs"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -226,9 +228,16 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
                        "uplink_codec": codec.DEFAULT, "downlink_codec": "float32", "local_epochs": 0,
                        "algorithms": {n: {"algorithm": a, "hparams": {**algorithms.get(a).defaults, **h}}
                                       for n, (a, h) in ALGORITHMS.items()}}}
+    result["measured_with"] = provenance.measured_with(
+        provenance.invoked(), {k: v for k, v in provenance.deciding(settings).items()
+                               if k not in ("algorithm", "momentum")},
+        local_epochs=0, varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM]}, data="mnist5k",
+        partition=f"bench/data/{PARTITION_FILE.name}", seeds_per_row={row: r["seeds"] for row, r in out_runs.items()},
+        runs=f"cached in {os.path.relpath(runs, PROJECT_ROOT)}/: a cached run may come from older code than this commit")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / f"{stem}_details.json").write_text(json.dumps(details) + "\n")
+    (RESULTS / f"{stem}_details.json").write_text(
+        json.dumps({**details, "measured_with": result["measured_with"]}) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(result, details))
     plot(details, RESULTS / f"{stem}.png", rounds)
     return result

@@ -17,7 +17,7 @@ from edge_agent.training import train_locally
 from edgefl_protocol import algorithms
 from models.architectures import build_model
 
-from . import fedsim, settings
+from . import fedsim, provenance, settings
 from .algorithms import BASELINES, CPU_SIZED, DEFAULT, MOMENTUM, RESULTS
 
 REPEATS = 3
@@ -45,8 +45,14 @@ def main() -> int:
         table[key] = {"median_seconds": statistics.median(values),
                       "vs_fedavg_same_optimizer": statistics.median(values) / statistics.median(ref)}
         print(f"{key:28s} {table[key]['median_seconds']:.3f} s  {table[key]['vs_fedavg_same_optimizer']:.2f}x")
+    measured = provenance.measured_with(
+        provenance.invoked(), {"local_epochs": RoundSettings().local_epochs},
+        varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM]}, data="mnist5k",
+        partition="bench/data/mnist5k_dir01_20clients.npz", clients=list(CLIENTS),
+        note="local training only (one process, one thread): no codec, downlink or aggregation")
     (RESULTS / "algorithms_local_cost.json").write_text(json.dumps(
-        {"clients": list(CLIENTS), "repeats": REPEATS, "per_algorithm": table}, indent=1) + "\n")
+        {"clients": list(CLIENTS), "repeats": REPEATS, "per_algorithm": table, "measured_with": measured},
+        indent=1) + "\n")
     return 0
 
 

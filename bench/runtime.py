@@ -45,6 +45,7 @@ from broker_coordinator.simulate import (SimulationSpec, prepare_shards, spawn_a
                                          write_agent_config)
 from broker_coordinator.store import Store  # noqa: E402
 from edgefl_protocol import codec, signing  # noqa: E402
+from bench import provenance  # noqa: E402
 from models import datasets  # noqa: E402
 from models.architectures import build_model, get_weights  # noqa: E402
 
@@ -297,6 +298,10 @@ def main() -> None:
                             "agent_cpu_s_per_round": ten["agent_cpu_s_per_round_median"]},
         "overhead": overhead, "scale": scale,
     }
+    result["measured_with"] = provenance.measured_with(
+        result["command"], provenance.deciding(RoundSettings(local_epochs=2)), data="mnist5k",
+        partition="dirichlet:0.3 (overhead runs); the scale runs send precomputed signed updates",
+        note="the overhead runs set local_epochs=2; the scale runs' coordinator uses RoundSettings' defaults")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "runtime.json").write_text(json.dumps(result, indent=2) + "\n")
     write_table(args.out / "runtime.md", result)

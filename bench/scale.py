@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from bench.crowd import device_key  # noqa: E402
 from bench.runtime import RssSampler  # noqa: E402
+from bench import provenance  # noqa: E402
 from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker  # noqa: E402
 from broker_coordinator.local_sites import LocalSites  # noqa: E402
 from broker_coordinator.processes import stop_processes  # noqa: E402
@@ -388,6 +389,13 @@ def main() -> int:
                     not args.tree_no_fetch)
     print(json.dumps(tree["phases"]), flush=True)
     out = report(flat, tree, args, time.time() - started)
+    from broker_coordinator.round_settings import RoundSettings
+    out["measured_with"] = provenance.measured_with(
+        provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg",
+                                                                                  aggregator="mean")).items()
+                               if k not in ("topology", "local_epochs")},
+        local_epochs="n/a: emulated devices send precomputed updates", varies={"topology": ["flat", "sites"]},
+        data="n/a: no training", seeds="n/a")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(out, indent=2) + "\n")
     (RESULTS / f"{args.out}.md").write_text(markdown(out))

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench import provenance
 
 import numpy as np
 
@@ -214,6 +215,8 @@ def main() -> None:
               "samples_per_file": args.rows, "sample_shape": list(SAMPLE_SHAPE), "consume": args.consume, "holdout": 0.2,
               **result, "machine": {"cores": os.cpu_count(), "python": platform.python_version()}}
     record["ratio_last_to_first"] = record["read_seconds"][-1] / record["read_seconds"][0]
+    record["measured_with"] = provenance.measured_with(record["command"], {}, data="synthetic spool files",
+                                                       note="a spool reader; no federation settings apply")
     args.out.mkdir(parents=True, exist_ok=True)
     name = "spool" if args.consume == "move" else f"spool_{args.consume}"
     (args.out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")

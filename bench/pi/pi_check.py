@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from . import root as pi_root
+from .. import provenance
 from .memory import METHOD, PeakRss
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -429,6 +430,8 @@ def summary(report: dict) -> dict:
 
 def write_results(report: dict) -> None:
     """pi_check_<candidate>.json for each candidate; pi_check.json and .md for the README's, with the others beside."""
+    report["measured_with"] = provenance.measured_with(report["command"], {},
+                                                       note="install and training under emulation; no federation")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"pi_check_{report['candidate']}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     main_path = RESULTS / f"pi_check_{README_CANDIDATE}.json"

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from . import root as roots
+from .. import provenance
 
 PROJECT = Path(__file__).resolve().parents[2]
 RESULTS = PROJECT / "bench" / "results"
@@ -368,6 +369,8 @@ def main() -> int:
               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "make service-check",
               "setup": "one systemd-nspawn container (Debian bookworm amd64, systemd as PID 1) holds the server and "
                        "the device; commands through nsenter as root"}
+    report["measured_with"] = provenance.measured_with(report["command"], {},
+                                                       note="the operator guide under systemd; no federation")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "service_check.json").write_text(json.dumps(report, indent=1) + "\n")
     echo(f"{passed}/{len(check.steps)} steps passed; wrote {RESULTS / 'service_check.json'}; transcript in "

@@ -1,0 +1,91 @@
+"""Where a result came from: every JSON in `bench/results/` carries a top-level `measured_with`.
+
+    measured_with(command, settings, **extra) -> {"commit": ..., "command": ..., **settings, **extra}
+    defaults() -> today's shipped values of the settings that decide a result
+    deciding(round_settings, topology) -> the same keys, read from any RoundSettings
+    invoked() -> this process's command line, as "python -m bench.NAME ARGS"
+
+`commit` is the short sha of this checkout's HEAD, with "+dirty" when tracked files outside
+`bench/results/` differ from it (the run measured code that no commit holds). `settings` uses the key names of `defaults()`
+so that `tests/test_provenance.py` can compare a file that claims to describe the defaults
+with what ships today, key by key:
+
+    algorithm     the algorithm's name (edgefl_protocol/algorithms)
+    momentum      the client optimizer's momentum (0.0: plain SGD)
+    local_epochs  the local-epoch policy: N fixed epochs, 0 = each device chooses
+    codec         the uplink codec
+    downlink      "full" or "delta"
+    aggregator    the coordinator's fold (broker_coordinator/robust.py)
+    weighting     what a device's sample count may weigh (broker_coordinator/trust.py)
+    norm_bound    deltas clipped to this times the median recent norm; 0 = off
+    mode          "sync" or "buffered"
+    topology      "flat" or "sites"
+
+A setting that a file varies across its rows goes under `extra` as `varies={key: [values]}`
+(and not at the top level); one that cannot be known for an old file is "unknown".
+Other keys (data, partition, seeds, ...) are free-form.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def defaults() -> dict[str, Any]:
+    """The shipped defaults of the settings that decide a result, read from the code (never copied)."""
+    from broker_coordinator.config import CoordinatorConfig
+    from broker_coordinator.round_settings import RoundSettings
+
+    sites = CoordinatorConfig.__dataclass_fields__["sites"].default_factory()
+    return deciding(RoundSettings(), "sites" if sites else "flat")
+
+
+def deciding(rounds: Any, topology: str = "flat") -> dict[str, Any]:
+    """The deciding settings of one `RoundSettings`, under the key names of `defaults()`."""
+    return {
+        "algorithm": rounds.algorithm,
+        "momentum": rounds.momentum,
+        "local_epochs": rounds.local_epochs,
+        "codec": rounds.codec,
+        "downlink": rounds.downlink,
+        "aggregator": rounds.aggregator,
+        "weighting": rounds.weighting,
+        "norm_bound": rounds.norm_bound,
+        "mode": rounds.mode,
+        "topology": topology,
+    }
+
+
+def commit() -> str:
+    """HEAD's short sha, "+dirty" when tracked files other than the results differ from it;
+    "unknown" outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def invoked() -> str:
+    """How this process was started, as a command to rerun: "python -m bench.field --quick"."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
+    except ValueError:
+        return " ".join(["python", *sys.argv])
+    return " ".join(["python", "-m", module, *sys.argv[1:]])
+
+
+def measured_with(command: str, settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The `measured_with` block of a result: this checkout's commit, the command that ran, the
+    deciding settings (key names of `defaults()`), then anything else that decides the numbers."""
+    return {"commit": commit(), "command": command, **settings, **extra}

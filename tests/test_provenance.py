@@ -1,0 +1,148 @@
+"""Every result says what it was measured with, and the docs say only what the results hold.
+
+(a) every JSON in bench/results carries `measured_with` with a commit and a command;
+(b) a file that claims to describe the defaults (`"describes": "defaults"` in its `measured_with`,
+    or named, by file name or make target, in a sentence or table row of README.md / docs/*.md that
+    says "default") was measured with today's `bench.provenance.defaults()` on every key both carry;
+(c) every number of README's "Measured" section and docs/OPERATOR.md's "what to expect" table
+    matches the results file its claim links (CLAIMS below).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bench.provenance import defaults
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+FILES = sorted(RESULTS.glob("*.json"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_result_says_what_it_was_measured_with(path):
+    measured = json.loads(path.read_text()).get("measured_with")
+    assert isinstance(measured, dict), f"{path.name} has no top-level measured_with (see bench/provenance.py)"
+    assert measured.get("commit") and measured.get("command"), f"{path.name}: measured_with needs commit and command"
+
+
+# --- (b) files that claim to describe the defaults --------------------------------------------
+
+def units(text: str) -> list[tuple[str, str]]:
+    """(claim, what it is about): sentences of paragraphs and list items, each about itself, and
+    table rows, each about itself and the caption above the table (which names the file)."""
+    out, caption = [], ""
+    for block in re.split(r"\n\s*\n|\n(?=\s*(?:[-*] |\d+\. |#))", text):  # paragraphs, list items, headings
+        if block.lstrip().startswith("|"):
+            out += [(row, row + " " + caption) for row in block.splitlines()]
+        else:
+            caption = " ".join(block.split())
+            out += [(u, u) for u in re.split(r"(?<=[.!?])\s+(?=[A-Z*`(\[])", caption)]
+    return out
+
+
+def names(unit: str, stem: str) -> bool:
+    return bool(re.search(rf"(?<![\w-]){re.escape(stem)}\.(json|md|png)\b", unit)
+                or re.search(rf"make {re.escape(stem.replace('_', '-'))}(?![\w-])", unit))
+
+
+def claims_defaults(path: Path) -> list[str]:
+    """Where `path` is said to describe the defaults: its own measured_with, or doc sentences."""
+    where = ["its measured_with"] if json.loads(path.read_text()).get("measured_with", {}).get(
+        "describes") == "defaults" else []
+    for doc in DOCS:
+        for unit, about in units(doc.read_text()):
+            if "default" in unit.lower() and names(about, path.stem):
+                where.append(f"{doc.relative_to(ROOT)}: {unit.strip()[:160]}")
+    return where
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if claims_defaults(p)], ids=lambda p: p.name)
+def test_a_file_that_claims_the_defaults_was_measured_with_them(path):
+    measured, today = json.loads(path.read_text())["measured_with"], defaults()
+    differ = {k: (measured[k], today[k]) for k in sorted(set(measured) & set(today)) if measured[k] != today[k]}
+    assert not differ, (
+        f"{path.name} is said to describe the defaults ({claims_defaults(path)[0]}) but was measured with "
+        + ", ".join(f"{k}={theirs!r} (today {ours!r})" for k, (theirs, ours) in differ.items())
+        + f"; rerun it: {measured['command']}")
+
+
+# --- (c) the numbers the docs quote -------------------------------------------------------------
+
+def at(data, path: str):
+    for key in path.split("/"):
+        data = data[int(key)] if isinstance(data, list) else data[key]
+    return data
+
+
+KIB = 1 / 1024
+# (doc, claim text with the quoted number as its group, file, JSON path, scale, decimals)
+CLAIMS = [
+    ("README.md", r"reaches ([\d.]+)% on the headline", "field.json", "default_final_mean", 1, 2),
+    ("README.md", r"([\d.]+) points above FedAvg with", "field.json", "default_vs_fedavg", 1, 1),
+    ("README.md", r"within ([\d.]+) points of clean", "attacks.json", "clean_minus_sign_flip@0.1", 100, 1),
+    ("README.md", r"as with 1,000 \(([\d.]+)x\)", "spool.json", "ratio_last_to_first", 1, 2),
+    ("README.md", r"carries (\d+)x fewer bytes", "scale.json", "ratio_flat_over_tree", 1, 0),
+    ("README.md", r"the same \(\+(\d+)%\)", "scale.json", "tree_growth_low_to_high", 100, 0),
+    ("README.md", r"final accuracy ([\d.]+)x sooner", "buffered.json", "speedup_median", 1, 1),
+    ("README.md", r"takes (\d+)-\d+ KB", "downlink_controlled.json", "delta/down", KIB, 0),
+    ("README.md", r"takes \d+-(\d+) KB", "downlink.json", "delta/down", KIB, 0),
+    ("README.md", r"instead of\s+(\d+)-\d+ KB", "downlink_controlled.json", "float32/down", KIB, 0),
+    ("README.md", r"instead of\s+\d+-(\d+) KB", "downlink.json", "float32/down", KIB, 0),
+    ("README.md", r"ends ([\d.]+) points lower", "downlink_controlled.json", "points_lost/final_accuracy", 1, 2),
+    ("docs/OPERATOR.md", r"10 agents \(median of rounds 2-5\) \| ([\d.]+)", "runtime.json", "overhead_ratio/10", 1, 3),
+    ("docs/OPERATOR.md", r"same, 50 agents \| ([\d.]+)", "runtime.json", "overhead_ratio/50", 1, 3),
+    ("docs/OPERATOR.md", r"10 / 50 agents \| ([\d.]+) /", "runtime.json",
+     "overhead/0/overhead_ratio_with_eval_and_checkpoint", 1, 3),
+    ("docs/OPERATOR.md", r"10 / 50 agents \| [\d.]+ / ([\d.]+)", "runtime.json",
+     "overhead/1/overhead_ratio_with_eval_and_checkpoint", 1, 3),
+    ("docs/OPERATOR.md", r"updates/s .*devices \| (\d+) /", "runtime.json", "updates_per_s/100", 1, 0),
+    ("docs/OPERATOR.md", r"updates/s .*devices \| \d+ / (\d+) /", "runtime.json", "updates_per_s/300", 1, 0),
+    ("docs/OPERATOR.md", r"updates/s .*devices \| \d+ / \d+ / (\d+)", "runtime.json", "updates_per_s/1000", 1, 0),
+    ("docs/OPERATOR.md", r"peak RSS, .*devices \| (\d+) /", "runtime.json", "coordinator_rss_mb/100", 1, 0),
+    ("docs/OPERATOR.md", r"peak RSS, .*devices \| \d+ / (\d+) /", "runtime.json", "coordinator_rss_mb/300", 1, 0),
+    ("docs/OPERATOR.md", r"peak RSS, .*devices \| \d+ / \d+ / (\d+)", "runtime.json", "coordinator_rss_mb/1000",
+     1, 0),
+    ("docs/OPERATOR.md", r"MNIST CNN\) \| ([\d.]+)", "runtime.json", "agent_rss_ratio", 1, 2),
+    ("docs/OPERATOR.md", r"MNIST CNN\) \| [\d.]+ \((\d+) /", "runtime.json", "agent_footprint/agent_peak_rss_mb", 1, 0),
+    ("docs/OPERATOR.md", r"MNIST CNN\) \| [\d.]+ \(\d+ / (\d+) MB", "runtime.json",
+     "agent_footprint/bare_torch_rss_mb", 1, 0),
+]
+DERIVED = {  # numbers the docs quote that the files hold only in parts
+    "default_final_mean": lambda d: sum(d["runs"]["dynsam+sgd"]["final_accuracy"]) / 2,
+    "default_vs_fedavg": lambda d: (sum(d["runs"]["dynsam+sgd"]["final_accuracy"])
+                                    - sum(d["runs"]["fedavg+sgd"]["final_accuracy"])) / 2,
+    "clean_minus_sign_flip@0.1": lambda d: d["clean"] - d["runs"]["sign_flip@0.1"]["default"],
+}
+SECTIONS = {"README.md": "## Measured", "docs/OPERATOR.md": "## Running on a real fleet: what to expect"}
+
+
+def section(doc: str) -> str:
+    text = (ROOT / doc).read_text()
+    start = text.index(SECTIONS[doc])
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("doc,pattern,name,path,scale,decimals", CLAIMS, ids=[c[1][:40] for c in CLAIMS])
+def test_the_docs_quote_their_results_file(doc, pattern, name, path, scale, decimals):
+    text = section(doc)
+    found = re.search(pattern, text)
+    assert found, f"{doc}: no claim matching {pattern!r} any more (update CLAIMS in tests/test_provenance.py)"
+    blocks = re.split(r"\n\s*\n", text[:found.end()])
+    context = "\n".join(blocks[-2:]) if blocks[-1].lstrip().startswith("|") else blocks[-1]
+    context += text[found.end():].split("\n\n")[0]
+    assert f"bench/results/{name}" in context, f"{doc}: the claim {found.group(0)!r} does not link {name}"
+    data = load(name)
+    value = DERIVED[path](data) if path in DERIVED else at(data, path)
+    assert float(found.group(1)) == round(value * scale, decimals), (
+        f"{doc} says {found.group(1)} ({found.group(0)!r}); {name} {path} gives {round(value * scale, decimals)}")
