@@ -261,5 +261,8 @@ class BufferedCoordinator(Coordinator):
                                                   staleness_factor=round(factor, 4))
             self.folded.add((answer.round, answer.attempt))
 
+    def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
+        return current  # every answer is to a task of some version: it counts against the buffer it met
+
     def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
         return current is not None and (round_no, attempt) in self.folded

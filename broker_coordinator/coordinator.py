@@ -62,6 +62,7 @@ from .round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSetti
 from .intake import UpdateIntake
 from .metrics import Metrics
 from .presence import DevicePresence
+from .released_versions import newest_retained_version
 from .rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
 from .selection import select
 from .serving import ServedAverage
@@ -69,6 +70,7 @@ from .store import Checkpoint, Store, model_sha256
 
 log = logging.getLogger("broker_coordinator")
 REPLAY_ROUNDS = 10  # rounds whose accepted answers the replay guard remembers
+RELEASES_REMEMBERED = 64  # versions whose release hash intake checks updates against
 
 
 class Coordinator(UpdateIntake, DevicePresence):
@@ -137,6 +139,9 @@ class Coordinator(UpdateIntake, DevicePresence):
         self.session: Session | None = None
         self._model_payloads: list[tuple[str, bytes]] = []  # retained (topic, payload) of the current model
         self._published: tuple[int, int] | None = None  # (version, chunks) of the retained model
+        self._resumed = False  # the state came from a checkpoint
+        # version -> sha256 of its release: intake rejects an update whose reported base is another model
+        self.released_sha: dict[int, str] = {}
         if store:
             self._resume(store)
 
@@ -148,6 +153,7 @@ class Coordinator(UpdateIntake, DevicePresence):
             raise ValueError(f"checkpoint in {store.dir} is for model {ckpt.arch!r}, not {self.arch!r}; "
                              "use another state directory")
         self.weights, self.version, self.next_round = ckpt.weights, ckpt.version, ckpt.round + 1
+        self._resumed = True
         set_weights(self.model, self.weights)
         self.server_rule.load_state(ckpt.server_state)
         self.sample_weights.load_state(ckpt.trust.get("weights") or {})
@@ -177,6 +183,18 @@ class Coordinator(UpdateIntake, DevicePresence):
                                                                          bool(msg.retain))),
                                keepalive=keepalive, session_expiry=3600, max_queued=0)
         self.session.start(timeout)
+        self._skip_released_versions()
+
+    def _skip_released_versions(self) -> None:
+        """Start past any version an earlier run left retained (see `released_versions`)."""
+        assert self.session is not None
+        newest = newest_retained_version(self.session, self.fed)
+        if newest is None or newest < self.version or (newest == self.version and self._resumed):
+            return
+        log.warning("model version %d is retained on the broker from an earlier run of federation %s; this "
+                    "run's versions start at %d, so that no version names two models", newest, self.fed, newest + 1)
+        self.session.publish(topics.model(self.fed, newest), b"", qos=1, retain=True)
+        self.version = newest + 1
 
     def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
         # Presence is re-learnt from the retained statuses the subscription delivers.
@@ -237,6 +255,9 @@ class Coordinator(UpdateIntake, DevicePresence):
             deltas = [(topics.model_delta(self.fed, v), d) for v, d in sorted(self.broadcast.deltas.items())]
         manifest, chunks = downlink.release(self.version, self.arch, tensors, self.settings.model_codec,
                                             self.settings.model_chunk_bytes, self.fingerprint, chain)
+        self.released_sha[self.version] = manifest.sha256
+        for old in sorted(self.released_sha)[:-RELEASES_REMEMBERED]:
+            del self.released_sha[old]
         self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
         self._model_payloads += deltas + [(topics.model(self.fed, self.version), messages.encode("model", manifest))]
         for topic, payload in self._model_payloads:

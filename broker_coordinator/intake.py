@@ -48,7 +48,9 @@ class UpdateIntake:
         try:
             judged = self._judge(current, device, answer, data, arrived)
         except Rejected as exc:
-            self._rejected(current, device, exc)
+            # booked to the round and attempt it answered: an answer to a closed round is not the open
+            # round's rejection (it is logged, counted and stored under the round it names)
+            self._rejected(self._books_to(current, key), device, exc, key)
             self._receipt(device, key, exc)
             return
         if judged is not None:  # None: the same accepted update again (our receipt was lost): answer it again
@@ -56,10 +58,14 @@ class UpdateIntake:
             self._fold(current, device, answer, judged, len(data), hashlib.sha256(data).hexdigest())
         self._receipt(device, key, None)
 
-    def _rejected(self, current: Round | None, device: str, exc: Rejected) -> None:
+    def _rejected(self, current: Round | None, device: str, exc: Rejected,
+                  answered: tuple[int, int] | None = None) -> None:
+        """Count and log a rejection; book it to `current` (the round it answered, or for an unreadable
+        message the round it arrived in) and store it under the (round, attempt) it answered."""
         self._reject(device, exc.reason, exc.detail, current)
-        if self.store and current is not None:
-            self.store.record_device_round(current.number, current.attempt, device, False, exc.reason, None)
+        where = answered or ((current.number, current.attempt) if current is not None else None)
+        if self.store and where is not None:
+            self.store.record_device_round(*where, device, False, exc.reason, None)
 
     def _fold(self, current: Round, device: str, answer: messages.Answer,
               judged: tuple[dict, float, int, str] | messages.Refusal | messages.EvalReport, size: int,
@@ -182,6 +188,11 @@ class UpdateIntake:
                 raise Rejected("schema", f"evaluation report measures {answer.metric!r}; this federation's "
                                          f"metric is {self.objective.metric!r}")
             return answer
+        released = getattr(self, "released_sha", {}).get(answer.model_version)
+        reported = answer.metrics.get("model_sha")
+        if released and isinstance(reported, str) and reported and not released.startswith(reported):
+            raise Rejected("wrong_base", f"update was trained on model {reported[:16]}, but version "
+                                         f"{answer.model_version} is {released[:16]} (a model of an earlier run?)")
         if answer.codec != codec.parse(self.settings.codec).name:
             raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.settings.codec!r}")
         delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.specs, **self.extra_specs},
@@ -190,6 +201,10 @@ class UpdateIntake:
         if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
         return (delta, *self._weight_and_steps(device, answer))
+
+    def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
+        """The open round a rejected answer to `answered` counts against: the one it answered, if open."""
+        return current if current is not None and (current.number, current.attempt) == answered else None
 
     def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
         """Whether an accepted answer to (round, attempt) is still in the open aggregate (a resend of it

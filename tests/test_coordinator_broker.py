@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker
-from broker_coordinator.coordinator import Coordinator, RoundSettings
-from edgefl_protocol import messages, topics
+from broker_coordinator.coordinator import Coordinator, RoundFailed, RoundSettings
+from edgefl_protocol import codec, messages, signing, topics
 from models import datasets
 
 FED = "cb"
@@ -103,3 +105,42 @@ def test_an_update_sent_while_the_coordinator_is_away_reaches_it_when_it_returns
             assert again.rejections == {"unknown_key": 1}  # it arrived (and, unsigned, was rejected)
         finally:
             again.close()
+
+
+def test_a_reset_state_directory_never_reuses_a_version_the_broker_still_holds(tmp_path):
+    """An earlier run left version 7's manifest retained; a coordinator with a fresh state directory
+    starts at 8 and clears the old manifest, so no device can take the old model for the new one."""
+    from edgefl_protocol.transport import connect, make_client
+    with _broker(tmp_path, []) as broker:
+        old = make_client("old-run", COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        connect(old, broker.host, broker.port)
+        old.publish(topics.model(FED, 7), b"an earlier run's manifest", qos=1, retain=True).wait_for_publish(5)
+        old.disconnect()
+        old.loop_stop()
+        coordinator = Coordinator(FED, "digits_mlp", None, RoundSettings(evaluate="devices"))
+        assert coordinator.version == 0
+        coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            assert coordinator.version == 8
+        finally:
+            coordinator.close()
+        again = Coordinator(FED, "digits_mlp", None, RoundSettings(evaluate="devices"))
+        again.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            assert again.version == 0  # the old manifest was cleared; nothing of ours is retained yet
+        finally:
+            again.close()
+
+
+def test_an_update_trained_on_another_model_of_the_same_version_is_rejected_with_a_receipt():
+    key = signing.new_key()
+    coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test,
+                              RoundSettings(codec="float32", algorithm="fedavg"), device_keys={"dev-0": key})
+    coordinator.released_sha[0] = "ab" * 32  # what this run released as version 0
+    zero = {n: a * 0 for n, a in coordinator.weights.items()}
+    encoded = codec.encode(zero, "float32")
+    update = messages.Update("dev-0", 1, 0, 10, {"steps": 1, "model_sha": "cd" * 8}, encoded.body, "float32",
+                             encoded.specs, FED, 1)
+    with pytest.raises(RoundFailed, match="wrong_base"):
+        coordinator.fold_round({"dev-0": messages.encode_update(update, key)}, 1)
+    assert coordinator.rejections == {"wrong_base": 1}
