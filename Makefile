@@ -28,7 +28,7 @@ DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 SCALE_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink
+.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -110,3 +110,8 @@ service-check: setup
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
+
+# the wheel and the sdist into dist/ (docs/OPERATOR.md installs the wheel on the server and the devices)
+dist: setup
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
