@@ -117,14 +117,15 @@ dist: setup
 	$(BIN)/python -m build --outdir dist .
 
 # Debian's own CPU-only torch (bookworm's python3-torch 1.13.1, the oldest that pyproject.toml admits) in the
-# TORCH=system venv on /usr/bin/python3, the project without extras: the tests and a 3-round federation.
-# Root (apt-get). Writes bench/results/torch_debian.json and .md (bench/torch_debian.py).
+# TORCH=system venv on /usr/bin/python3, the project without extras: the tests and a 3-round federation
+# on digits (Debian's python3-sklearn carries the data). Root (apt-get).
+# Writes bench/results/torch_debian.json and .md (bench/torch_debian.py).
 TORCH_DEBIAN_VENV ?= .venv-torch-debian
 torch-debian: mosquitto
-	@if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then \
+	@if ! /usr/bin/python3 -c 'import torch, sklearn' 2>/dev/null; then \
 		if [ "$$(id -u)" != 0 ]; then echo "torch-debian installs python3-torch: run 'sudo make torch-debian'"; exit 1; fi; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			python3-torch python3-venv; \
+			python3-torch python3-sklearn python3-venv; \
 	fi
 	$(MAKE) setup TORCH=system PYTHON=/usr/bin/python3 VENV=$(TORCH_DEBIAN_VENV)
 	# the test runner alone (the dev extras stay out), pinned to the system's torch like the project

