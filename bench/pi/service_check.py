@@ -199,7 +199,8 @@ def guide(check: Check, root: Path) -> None:
     run, step, cmd = check.run, check.step, check.command_step
     # 1. install: the operator's make dist here, the wheel where the guide's scp puts it, the server's block
     try:
-        for done in guide_blocks.operator_side("build", root, echo=lambda line: None):
+        live = Path(f"/proc/{check.c.pid}/root")  # the booted system's /tmp is its own tmpfs, as on a server
+        for done in guide_blocks.operator_side("build", live, echo=lambda line: None):
             step(f"1. {done['command']} (the operator's machine)", done.get("exit", 0) == 0, done["ran"])
         install, service = guide_blocks.block("server-install"), guide_blocks.block("coordinator-service")
     except guide_blocks.GuideError as exc:
