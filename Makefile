@@ -14,7 +14,8 @@ DEMO_ARGS ?=
 # TORCH=pip: a CPU-only wheel, PyTorch's CPU index first (PyPI's Linux x86 torch is a CUDA
 # build); a CUDA build is refused before download. On aarch64 (a Raspberry Pi) PyPI's 2.9.1
 # is a CPU build that `make pi-check` measured on Pi 4 and Pi 5 CPUs (2.13.0 there is CUDA).
-# TORCH=system: the distribution's python3-torch (Debian bookworm: 1.13.1) in a venv that sees it.
+# TORCH=system: the distribution's python3-torch (Debian bookworm: 1.13.1) in a venv that sees it;
+# `make torch-debian` runs the tests and a federation on it (bench/results/torch_debian.md).
 ARM := $(filter aarch64 arm64,$(shell uname -m))
 TORCH ?= pip
 TORCH_SPEC ?= $(if $(ARM),torch==2.9.1,torch==2.13.0)
