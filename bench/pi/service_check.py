@@ -349,6 +349,7 @@ def main() -> int:
     except roots.SetupError as exc:
         print(f"service-check: {exc}", file=sys.stderr)
         return 2
+    measured_at = guide_blocks.commit()  # before the run: what ran, not what a later commit made of it
     container = Container(root, logs / "nspawn.log")
     check = Check(container, echo)
     try:
@@ -366,7 +367,7 @@ def main() -> int:
     passed = sum(s["ok"] for s in check.steps)
     report = {"steps": check.steps, "passed": passed, "total": len(check.steps),
               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "make service-check",
-              "measured_with": {"commit": guide_blocks.commit(), "command": "make service-check",
+              "measured_with": {"commit": measured_at, "command": "make service-check",
                                 "guide_blocks": ["build", "server-install", "coordinator-service"],
                                 "coordinator_toml": "the guide's, with the four commented changes of "
                                                     "coordinator_toml()"},
