@@ -14,7 +14,8 @@ DEMO_ARGS ?=
 # TORCH=pip: a CPU-only wheel, PyTorch's CPU index first (PyPI's Linux x86 torch is a CUDA
 # build); a CUDA build is refused before download. On aarch64 (a Raspberry Pi) PyPI's 2.9.1
 # is a CPU build that `make pi-check` measured on Pi 4 and Pi 5 CPUs (2.13.0 there is CUDA).
-# TORCH=system: the distribution's python3-torch (Debian bookworm: 1.13.1) in a venv that sees it.
+# TORCH=system: the distribution's python3-torch (Debian bookworm: 1.13.1) in a venv that sees it;
+# `make torch-debian` runs the tests and a federation on it (bench/results/torch_debian.md).
 ARM := $(filter aarch64 arm64,$(shell uname -m))
 TORCH ?= pip
 TORCH_SPEC ?= $(if $(ARM),torch==2.9.1,torch==2.13.0)
@@ -28,7 +29,7 @@ DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 SCALE_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink
+.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -110,3 +111,24 @@ service-check: setup
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
+
+# the wheel and the sdist into dist/ (docs/OPERATOR.md installs the wheel on the server and the devices)
+dist: setup
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+# Debian's own CPU-only torch (bookworm's python3-torch 1.13.1, the oldest that pyproject.toml admits) in the
+# TORCH=system venv on /usr/bin/python3, the project without extras: the tests and a 3-round federation
+# on digits (Debian's python3-sklearn carries the data). Root (apt-get).
+# Writes bench/results/torch_debian.json and .md (bench/torch_debian.py).
+TORCH_DEBIAN_VENV ?= .venv-torch-debian
+torch-debian: mosquitto
+	@if ! /usr/bin/python3 -c 'import torch, sklearn' 2>/dev/null; then \
+		if [ "$$(id -u)" != 0 ]; then echo "torch-debian installs python3-torch: run 'sudo make torch-debian'"; exit 1; fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			python3-torch python3-sklearn python3-venv; \
+	fi
+	$(MAKE) setup TORCH=system PYTHON=/usr/bin/python3 VENV=$(TORCH_DEBIAN_VENV)
+	# the test runner alone (the dev extras stay out), pinned to the system's torch like the project
+	$(TORCH_DEBIAN_VENV)/bin/pip install --quiet -c $(TORCH_DEBIAN_VENV)/torch-pin.txt "pytest>=8" "pytest-timeout>=2.2"
+	nice -n 10 $(TORCH_DEBIAN_VENV)/bin/python -m bench.torch_debian $(TORCH_DEBIAN_ARGS)

@@ -1,6 +1,7 @@
 """`edge-agent install-service` and `edge-agent status`.
 
-The unit file is systemd/edge-agent.service from this project, with ExecStart
+The unit file is systemd/edge-agent.service from this project (installed by
+the wheel as VENV/share/edgefl/systemd/edge-agent.service), with ExecStart
 pointed at this installation and MemoryMax set for the device. The agent's
 config (which holds its password) stays root-only in /etc/edgefl; systemd
 hands it to the service through LoadCredential=, so the service can run as a
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 UNIT_NAME = "edge-agent.service"
-UNIT_TEMPLATE = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
+# systemd/ of the source tree (an editable install), else the copy the wheel installs (pyproject's data-files)
+_SOURCE_UNIT = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
+UNIT_TEMPLATE = _SOURCE_UNIT if _SOURCE_UNIT.exists() else Path(sys.prefix) / "share/edgefl/systemd" / UNIT_NAME
 UNIT_DEST = Path("/etc/systemd/system") / UNIT_NAME
 DEFAULT_MEMORY_MAX = "70%"
 _MEMORY = re.compile(r"^(\d+[KMGT]?|\d{1,3}%|infinity)$")
@@ -45,7 +48,7 @@ def render_unit(config: Path, memory_max: str = DEFAULT_MEMORY_MAX, template: Pa
     try:
         text = template.read_text()
     except OSError:
-        raise ServiceError(f"unit template {template} is missing: reinstall edgefl from its source tree") from None
+        raise ServiceError(f"unit template {template} is missing: reinstall the edgefl wheel") from None
     text = re.sub(r"^LoadCredential=agent.toml:.*$", f"LoadCredential=agent.toml:{config}", text, flags=re.M)
     text = re.sub(r"^MemoryMax=.*$", f"MemoryMax={memory_max}", text, flags=re.M)
     text = re.sub(r"^ExecStart=\S+", f"ExecStart={command or exec_start_prefix()}", text, count=1, flags=re.M)

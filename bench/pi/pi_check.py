@@ -1,9 +1,11 @@
 """`make pi-check`: the Raspberry Pi install of docs/OPERATOR.md, run under qemu-user aarch64 emulation on a Pi 4 and a Pi 5 CPU.
 
 1. An arm64 Debian bookworm root (debootstrap, cached in /var/cache/edgefl-pi-root,
-   PI_ROOT_CACHE to change) gets a fresh copy, and the install commands of the
-   "Install on a Raspberry Pi" block of docs/OPERATOR.md run in it as root (the `git clone`
-   of the project is replaced by a copy of this checkout's files).
+   PI_ROOT_CACHE to change) gets a fresh copy. The operator's side of docs/OPERATOR.md runs
+   here as written (`make dist`, the edgefl:build block); the wheel is put where the guide's
+   `scp` (edgefl:pi-copy) puts it, and the Pi's install block (edgefl:pi-install, or
+   edgefl:pi-install-debian for --torch debian) runs in the root line by line, as written,
+   `sudo` included (bench/pi/guide.py).
 2. For each of pi4 (QEMU_CPU=cortex-a72) and pi5 (cortex-a76), with the agent's
    default thread count for a 4-core Pi: imports; 20 training steps of every
    built-in model from the same weights and batches as on this x86 host, losses
@@ -29,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import guide
 from . import root as pi_root
 from .. import provenance
 from .memory import METHOD, PeakRss
@@ -38,70 +41,37 @@ RESULTS = PROJECT / "bench" / "results"
 PIS = {"pi4": "cortex-a72", "pi5": "cortex-a76"}
 PI_CORES = 4
 MODELS = ["mnist_cnn", "mnist_mlp", "digits_mlp", "logreg60"]
-README_HEADING = "### Install on a Raspberry Pi"
 GUEST_PROJECT = "/opt/edgefl"
 GUEST_PYTHON = f"{GUEST_PROJECT}/.venv/bin/python"
 SIZE_EXCLUDES = ["var/cache/apt", "var/lib/apt/lists", "var/log", "tmp", "root/.cache", ".edgefl-base-complete"]
-# what to install: the README's Pi block, or the other candidate measured beside it
+# what to install: the guide's Pi block, or the other candidate measured beside it
 CANDIDATES = {
-    "pypi": {"build": "PyPI's aarch64 torch 2.9.1 wheel (CPU-only) in a plain venv", "commands": None},
+    "pypi": {"build": "PyPI's aarch64 torch 2.9.1 wheel (CPU-only) in a plain venv", "block": "pi-install"},
     "debian": {"build": "Debian bookworm python3-torch (CPU-only), in a venv with --system-site-packages",
-               "commands": ["sudo apt-get update",
-                            "sudo apt-get install -y --no-install-recommends python3-torch python3-venv python3-pip "
-                            "git make",
-                            "sudo git clone https://github.com/edgefl/edgefl /opt/edgefl && cd /opt/edgefl && "
-                            "sudo make setup TORCH=system"]},
+               "block": "pi-install-debian"},
 }
 README_CANDIDATE = "pypi"
 
 
-def readme_install_commands() -> list[str]:
-    """The indented command block under the README's Pi install heading, as a Pi owner would type it."""
-    lines = (PROJECT / "docs" / "OPERATOR.md").read_text().splitlines()  # the operator guide, linked from the README
-    start = lines.index(README_HEADING)
-    block, seen = [], False
-    for line in lines[start + 1:]:
-        if line.startswith("    ") and line.strip():
-            block.append(line.strip())
-            seen = True
-        elif seen:
-            break
-    return block
-
-
-def copy_checkout(destination: Path) -> None:
-    """This checkout's files (tracked and new, as git sees them) where `git clone` would put them."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=PROJECT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, listed):
-        source = PROJECT / name
-        if source.is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, destination / name)
-
-
-def install_as_readme(root: Path, cpu: str, log: Path, echo, commands: list[str]) -> list[dict]:
-    steps = []
+def install_as_readme(root: Path, cpu: str, log: Path, echo, block: str) -> list[dict]:
+    """The guide's operator side here (make dist, the wheel copied where its scp puts it), then its Pi block."""
+    try:
+        steps = guide.operator_side("build", root, skip_scp=True, echo=echo)  # its scp goes to the server
+        steps += guide.operator_side("pi-copy", root, echo=echo)
+        commands = guide.block(block)
+    except guide.GuideError as exc:
+        raise pi_root.SetupError(str(exc)) from None
     for command in commands:
-        shell = command.replace("sudo ", "")
-        clone = re.match(r"git clone \S+ (\S+)(?: && (.*))?$", shell)
-        if clone:
-            copy_checkout(root / clone.group(1).lstrip("/"))
-            steps.append({"command": command, "ran": f"copied this checkout to {clone.group(1)} (no network to the "
-                                                      "repository here)"})
-            shell = clone.group(2) or "true"  # the rest of the line, from its own `cd`
-            if shell == "true":
-                continue
-        echo(f"  [{cpu}] {shell}")
+        echo(f"  [{cpu}] {command}")
         started = time.monotonic()
-        done = pi_root.run_guest(root, cpu, ["/bin/sh", "-c", shell], timeout=3 * 3600)
+        done = pi_root.run_guest(root, cpu, ["/bin/sh", "-c", command], timeout=3 * 3600)
         with open(log, "a") as handle:
-            handle.write(f"$ {shell}\n{done.stdout}\n")
-        steps.append({"command": command, "ran": shell, "exit": done.returncode,
+            handle.write(f"$ {command}\n{done.stdout}\n")
+        steps.append({"command": command, "ran": "in the root, as written", "exit": done.returncode,
                       "seconds": round(time.monotonic() - started)})
         if done.returncode != 0:
-            raise pi_root.SetupError(f"the README's Pi install failed at '{command}' (exit {done.returncode}); "
-                                     f"see {log}:\n{done.stdout[-2000:]}")
+            raise pi_root.SetupError(f"the guide's Pi install (edgefl:{block}) failed at '{command}' (exit "
+                                     f"{done.returncode}); see {log}:\n{done.stdout[-2000:]}")
     return steps
 
 
@@ -232,7 +202,7 @@ def check_training(root: Path, cpu: str, inputs: dict[str, Path], reference: dic
     plan = [(model, threads) for model in MODELS] + [("mnist_cnn", PI_CORES)]  # and all 4 cores once
     for model, n in plan:
         guest_out = f"/tmp/pi-check/{model}-{cpu}-{n}.json"
-        code, out, memory = measured(root, cpu, [GUEST_PYTHON, f"{GUEST_PROJECT}/bench/pi/train_probe.py", "train",
+        code, out, memory = measured(root, cpu, [GUEST_PYTHON, "/tmp/pi-check/train_probe.py", "train",
                                                  f"/tmp/pi-check/{model}.npz", guest_out, "--threads", str(n)], log)
         run = {"model": model, "threads": n, "exit": code, "memory": memory}
         result_path = root / guest_out.lstrip("/")
@@ -344,7 +314,6 @@ def run(args: argparse.Namespace, echo) -> dict:
     except BlockingIOError:
         raise pi_root.SetupError(f"another pi-check is using {root}; wait for it to finish") from None
     pi_root.build_base(base, echo)
-    commands = candidate["commands"] or readme_install_commands()
     install_log = logs / "install.log"
     first_cpu = PIS[args.pis.split(",")[0]]
     marker = root / ".edgefl-installed.json"
@@ -352,16 +321,16 @@ def run(args: argparse.Namespace, echo) -> dict:
         echo(f"reusing the installed root {root}")
         install = json.loads(marker.read_text())
     else:
-        echo(f"fresh copy of the arm64 root in {root}; the README's Pi install under QEMU_CPU={first_cpu}")
+        echo(f"fresh copy of the arm64 root in {root}; the guide's Pi install under QEMU_CPU={first_cpu}")
         pi_root.fresh_copy(base, root)
         install_log.write_text("")
         with pi_root.mounted(root, cache / "apt-archives"):
-            steps = install_as_readme(root, first_cpu, install_log, echo, commands)
+            steps = install_as_readme(root, first_cpu, install_log, echo, candidate["block"])
         base_mb = pi_root.size_mb(base, SIZE_EXCLUDES)
         root_mb = pi_root.size_mb(root, SIZE_EXCLUDES)
         torch_dirs = [p for p in root.glob("usr/lib/python3/dist-packages/torch")] + \
             [p for p in root.glob("opt/edgefl/.venv/lib/python3*/site-packages/torch")]
-        install = {"commands": steps, "from_readme": candidate["commands"] is None, "base_root_mb": base_mb, "root_mb": root_mb,
+        install = {"commands": steps, "from_guide_block": candidate["block"], "base_root_mb": base_mb, "root_mb": root_mb,
                    "installed_mb": round(root_mb - base_mb, 1),
                    "venv_mb": pi_root.size_mb(root / GUEST_PROJECT.lstrip("/") / ".venv", []),
                    "torch_package_mb": sum(pi_root.size_mb(p, []) for p in torch_dirs),
@@ -374,6 +343,7 @@ def run(args: argparse.Namespace, echo) -> dict:
 
     work = root / "tmp" / "pi-check"
     work.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(PROJECT / "bench/pi/train_probe.py", work / "train_probe.py")  # the check's probe, not the install
     inputs = {}
     for model in MODELS:
         inputs[model] = work / f"{model}.npz"
@@ -381,7 +351,11 @@ def run(args: argparse.Namespace, echo) -> dict:
                         str(inputs[model])], check=True, cwd=PROJECT)
 
     report: dict = {"torch": None, "candidate": args.torch, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "command": "make pi-check", "emulation": "qemu-user-static (Debian bookworm) via binfmt, chroot",
+                    "command": "make pi-check",
+                    "measured_with": {"commit": guide.commit(), "command": "make pi-check " + " ".join(sys.argv[1:]),
+                                      "pis": args.pis, "rounds": args.rounds, "torch": args.torch,
+                                      "guide_blocks": ["build", "pi-copy", candidate["block"]]},
+                    "emulation": "qemu-user-static (Debian bookworm) via binfmt, chroot",
                     "cores_forced": PI_CORES, "memory_method": METHOD, "install": install, "pis": {}}
     if args.install_only:
         report.update(torch=candidate["build"], pis_not_checked="--install-only: install and size measured, no Pi checks")
@@ -449,7 +423,7 @@ def markdown(report: dict) -> str:
     lines = ["# Pi check (`make pi-check`)", "",
              f"Measured {report['measured']} under qemu-user aarch64 emulation on the 2-core x86 machine; "
              f"torch: {report['torch']}.", "",
-             f"Install (the README's Pi block, as root in a fresh Debian bookworm arm64 root): **{install['installed_mb']} MB** "
+             f"Install (the guide's Pi block, as written, in a fresh Debian bookworm arm64 root): **{install['installed_mb']} MB** "
              f"added to a {install['base_root_mb']} MB minimal root (venv {install['venv_mb']} MB, torch package "
              f"{install['torch_package_mb']} MB). Method: {install['installed_method']}.", "",
              "| | Pi 4 (cortex-a72) | Pi 5 (cortex-a76) |", "|---|---|---|"]

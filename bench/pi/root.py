@@ -21,9 +21,10 @@ from pathlib import Path
 
 QEMU = Path("/usr/bin/qemu-aarch64-static")
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
-INCLUDE = "python3,python3-venv,python3-pip,ca-certificates"
+INCLUDE = "python3,python3-venv,python3-pip,ca-certificates,sudo"  # sudo: the guide's lines run as written
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-COPIED_FROM_HOST = ["etc/ssl/certs/ca-certificates.crt", "etc/resolv.conf", "etc/pip.conf", "etc/xdg/pip"]
+# etc/hosts: sudo in the chroot resolves the host's name
+COPIED_FROM_HOST = ["etc/ssl/certs/ca-certificates.crt", "etc/resolv.conf", "etc/hosts", "etc/pip.conf", "etc/xdg/pip"]
 
 
 class SetupError(Exception):
@@ -68,9 +69,13 @@ def host_mirror() -> str:
 def build_base(base: Path, echo=print, arch: str = "arm64", include: str = INCLUDE) -> None:
     """debootstrap a minimal bookworm root once; a finished one (marker file) is reused."""
     marker = base / ".edgefl-base-complete"
-    if marker.exists():
+    if marker.exists() and f"--include={include} " in marker.read_text():
         echo(f"reusing the cached {arch} root {base}")
         return
+    if marker.exists():
+        echo(f"the cached {arch} root {base} was built with other packages: building it again")
+        unmount_all(base)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=True)
     partial = base.with_name(base.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,12 @@ runs inside it through `nsenter -t PID -a`, as root, the way an operator types
 it (with `sudo`). The server (Mosquitto, the coordinator service) and the
 "Pi" (the agent service) share this one container: two nspawn containers on
 the host's network would share the same loopback anyway, and one boot halves
-the time. The project is copied to /opt/edgefl (for `git clone`), and
-`make setup` takes torch from this machine's local CPU wheel through its pip
-configuration, bound read-only into the container (PyTorch's CPU index is not
-reachable here).
+the time. The guide's blocks are read from docs/OPERATOR.md by their HTML comment
+markers (bench/pi/guide.py) and run as written: the operator's `make dist` here, the
+wheel put where its `scp` puts it, the server's install block and the coordinator
+service's in the container. pip there finds torch in this machine's local CPU wheel
+through its pip configuration, bound read-only into the container (when PyTorch's CPU
+index is not reachable, as here).
 
 Writes bench/results/service_check.json: {"steps": [{"name", "ok", "detail"}], "passed", "total"}.
 """
@@ -31,13 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
+from . import guide as guide_blocks
 from . import root as roots
 from .. import provenance
 
 PROJECT = Path(__file__).resolve().parents[2]
 RESULTS = PROJECT / "bench" / "results"
-INCLUDE = ("systemd,systemd-sysv,dbus,libpam-systemd,polkitd,sudo,procps,iproute2,mosquitto,mosquitto-clients,git,make,"
-           "python3,python3-venv,python3-pip,ca-certificates")
+INCLUDE = ("systemd,systemd-sysv,dbus,libpam-systemd,polkitd,sudo,procps,iproute2,mosquitto,mosquitto-clients,"
+           "python3,python3-venv,python3-pip,ca-certificates")  # no git, make: the guide installs a wheel
 LOCAL_WHEELS = ["/opt/wheels", "/opt/pypi", "/opt/pypi-more"]  # this machine's pip sources, when present
 PIP_CONFIGS = ["etc/pip.conf", "etc/xdg/pip", "root/.config/pip"]
 VENV = "/opt/edgefl/.venv/bin"
@@ -161,8 +164,6 @@ def prepare_root(base: Path, root: Path) -> None:
         elif source.exists():
             (root / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, root / relative)
-    from .pi_check import copy_checkout
-    copy_checkout(root / "opt/edgefl")
     (root / "etc/hostname").write_text("edgefl-server\n")
     (root / "etc/hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tedgefl-server\n")  # as an installed Debian has
 
@@ -197,18 +198,18 @@ def write_data(root: Path) -> None:
 
 def guide(check: Check, root: Path) -> None:
     run, step, cmd = check.run, check.step, check.command_step
-    # 1. install
-    cmd("1. apt-get install (the guide's packages)",
-        "sudo apt-get install -y mosquitto mosquitto-clients git make python3-venv", timeout=300)
-    check.step("1. git clone (this checkout copied to /opt/edgefl)", (root / "opt/edgefl/Makefile").exists(),
-               "no network to the repository here: the checkout's files were copied to /opt/edgefl")
-    cmd("1. make setup", "cd /opt/edgefl && sudo make setup 2>&1 | grep -v -i warning | tail -5; "
-                         f"test -x {VENV}/broker-coordinator", timeout=1800)
-    cmd("1. useradd edgefl and the directories",
-        "sudo useradd --system --home-dir /var/lib/edgefl-coordinator --shell /usr/sbin/nologin edgefl && "
-        "sudo install -d -o edgefl -g mosquitto -m 2750 /etc/mosquitto/edgefl && "
-        "sudo install -d -o edgefl -g edgefl -m 0700 /var/lib/edgefl-coordinator && "
-        "sudo install -d -m 0755 /etc/edgefl && id edgefl")
+    # 1. install: the operator's make dist here, the wheel where the guide's scp puts it, the server's block
+    try:
+        live = Path(f"/proc/{check.c.pid}/root")  # the booted system's /tmp is its own tmpfs, as on a server
+        for done in guide_blocks.operator_side("build", live, echo=lambda line: None):
+            step(f"1. {done['command']} (the operator's machine)", done.get("exit", 0) == 0, done["ran"])
+        install, service = guide_blocks.block("server-install"), guide_blocks.block("coordinator-service")
+    except guide_blocks.GuideError as exc:
+        step("1. the guide's blocks (docs/OPERATOR.md)", False, str(exc))
+        return
+    for line in install:
+        if not cmd(f"1. {line}", line, timeout=1800):
+            return
     (root / "etc/edgefl/coordinator.toml").write_text(coordinator_toml(secrets.token_urlsafe(24)))
     cmd("1. /etc/edgefl/coordinator.toml (mode 0640, group edgefl) and the test set",
         "chgrp edgefl /etc/edgefl/coordinator.toml && chmod 0640 /etc/edgefl/coordinator.toml && "
@@ -219,11 +220,10 @@ def guide(check: Check, root: Path) -> None:
         f"sudo {VENV}/broker-coordinator broker-config && sudo systemctl restart mosquitto && "
         "sleep 1 && systemctl is-active mosquitto", expect=r"^active$|\nactive$")
     # 3. coordinator service
-    cmd("3. coordinator service and polkit rule",
-        "cd /opt/edgefl && sudo install -m 0644 systemd/broker-coordinator.service /etc/systemd/system/ && "
-        "sudo install -m 0644 systemd/50-edgefl-mosquitto-reload.rules /etc/polkit-1/rules.d/ && "
-        "sudo systemctl daemon-reload && sudo systemctl enable --now broker-coordinator.service && sleep 5 && "
-        "systemctl is-active broker-coordinator", expect=r"active$")
+    for line in service:
+        cmd(f"3. {line}", line)
+    ok, text = check.wait_until("systemctl is-active broker-coordinator", r"^active$", 30)
+    step("3. broker-coordinator.service is active", ok, text)
     # 4. enroll
     added = run(f"sudo {VENV}/broker-coordinator devices add pi-07")
     token = re.search(r"^(edgefl1\.\S+)$", added.stdout, re.M)
@@ -350,6 +350,7 @@ def main() -> int:
     except roots.SetupError as exc:
         print(f"service-check: {exc}", file=sys.stderr)
         return 2
+    measured_at = guide_blocks.commit()  # before the run: what ran, not what a later commit made of it
     container = Container(root, logs / "nspawn.log")
     check = Check(container, echo)
     try:
@@ -367,6 +368,10 @@ def main() -> int:
     passed = sum(s["ok"] for s in check.steps)
     report = {"steps": check.steps, "passed": passed, "total": len(check.steps),
               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": "make service-check",
+              "measured_with": {"commit": measured_at, "command": "make service-check",
+                                "guide_blocks": ["build", "server-install", "coordinator-service"],
+                                "coordinator_toml": "the guide's, with the four commented changes of "
+                                                    "coordinator_toml()"},
               "setup": "one systemd-nspawn container (Debian bookworm amd64, systemd as PID 1) holds the server and "
                        "the device; commands through nsenter as root"}
     report["measured_with"] = provenance.measured_with(report["command"], {},
