@@ -29,7 +29,7 @@ DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 SCALE_ARGS ?=
 
-.PHONY: demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
+.PHONY: composition demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -45,6 +45,9 @@ downlink: setup mosquitto  # bench/results/downlink.json, downlink.md (float32 v
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q
+
+composition: setup mosquitto  # bench/results/composition.json, .md: every cell of the engine's choices, real brokers and agents (~30 minutes)
+	nice -n 5 $(BIN)/python -m bench.composition $(COMPOSITION_ARGS)
 
 # benchmarks too slow for `make test`; each writes its results to bench/results/
 attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)

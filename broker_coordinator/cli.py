@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Prints one line per round and writes history.json and a plot of the task's metric "
                     "(accuracy.png, or mse.png / mae.png) into --out. Your own model and data: --model "
                     "package.module:factory with --devices-dir (docs/OWN_MODEL.md).")
+    sim.add_argument("--config", type=Path, default=None, metavar="FILE",
+                     help="a coordinator config (broker_coordinator/config.py): its [rounds] section is simulated "
+                          "exactly, and only the round flags given on this command line override it")
     sim.add_argument("--agents", type=_bounded(int, 1, 500), default=10, help="number of agent processes")
     sim.add_argument("--rounds", type=_bounded(int, 1, 100000), default=20, help="federated rounds")
     sim.add_argument("--dataset", default="mnist5k",
@@ -149,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
+    from .robust import AGGREGATORS
+    sim.add_argument("--aggregator", choices=AGGREGATORS, default=defaults.aggregator,
+                     help="the robust fold (broker_coordinator/robust.py); centered_clip and mean stream and run "
+                          "in sites too")
+    sim.add_argument("--sites", type=_bounded(int, 0, 64), default=0, metavar="N",
+                     help="the devices in N sites: a Mosquitto per site bridged to a central one, a site "
+                          "aggregator beside each, devices dealt to sites in turn; 0 = a flat federation")
+    sim.add_argument("--site-workers", type=_bounded(int, 1, 16), default=1, metavar="W",
+                     help="with --sites: aggregator workers per site (sharing its updates through $share)")
     sim.add_argument("--mode", choices=["sync", "buffered"], default=defaults.mode,
                      help="sync: lock-step rounds; buffered: asynchronous FedBuff-style versions, --rounds of them "
                           "(see broker_coordinator/buffered.py)")
@@ -205,11 +217,48 @@ def build_parser() -> argparse.ArgumentParser:
     site.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from .operator_cli import add_operator_commands
     add_operator_commands(sub)
+    parser.simulate_parser = sim  # type: ignore[attr-defined] (given_flags reads which flags were written)
     return parser
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    from .coordinator import RoundSettings  # torch import is slow; keep --help fast
+# simulate's round flags and the [rounds] keys they set (with --config, only flags given override it)
+ROUND_FLAGS = {
+    "algorithm": "algorithm", "clients_per_round": "clients_per_round", "local_epochs": "local_epochs",
+    "batch_size": "batch_size", "lr": "lr", "momentum": "momentum", "round_timeout": "round_timeout",
+    "selection": "selection", "min_updates": "min_updates", "normalize_steps": "normalize_steps",
+    "model_codec": "model_codec", "serve_average": "serve_average", "hparam": "hparams", "evaluate": "evaluate",
+    "eval_only_every": "eval_only_every", "mode": "mode", "buffer_size": "buffer_size",
+    "max_staleness": "max_staleness", "staleness_weight": "staleness_weight", "downlink": "downlink",
+    "downlink_codec": "downlink_codec", "downlink_chain": "downlink_chain", "codec": "codec",
+    "aggregator": "aggregator",
+}
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the options written on the command line (as --flag or --flag=value)."""
+    words = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    sim = getattr(parser, "simulate_parser", None)
+    actions = sim._actions if sim is not None else []  # argparse keeps its actions here, and exposes no getter
+    return {action.dest for action in actions if words & set(action.option_strings)}
+
+
+def round_settings(args: argparse.Namespace, given: set[str]):  # noqa: ANN201 (RoundSettings; torch import)
+    """RoundSettings from --config's [rounds] (if any) with the given flags over it, else from the flags."""
+    from edgefl_protocol.settings import build_section, read_toml
+
+    from .coordinator import RoundSettings
+    flags = {key: (dict(getattr(args, dest)) if dest == "hparam" else getattr(args, dest))
+             for dest, key in ROUND_FLAGS.items() if dest in given or not args.config}
+    if flags.get("codec") is None:
+        flags.pop("codec", None)
+    if not args.config:
+        return RoundSettings(**flags)
+    table = read_toml(args.config).get("rounds", {})
+    settings = build_section(RoundSettings, {**table, **flags}, f"{args.config} [rounds]")
+    return settings
+
+
+def run_simulate(args: argparse.Namespace, given: set[str] = frozenset()) -> int:
     from .simulate import SimulationSpec, simulate
 
     if args.fleet:
@@ -222,21 +271,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, partition_file=args.partition_file, fleet=args.fleet, fleet_cpu=args.fleet_cpu,
                           churn=args.churn, model=args.model, task=args.task,
                           loss=args.loss or ("cross_entropy" if args.task == "classification" else "mse"),
-                          devices_dir=args.devices_dir, test_data=args.test_data, holdout=args.holdout)
-    settings = RoundSettings(algorithm=args.algorithm, clients_per_round=args.clients_per_round,
-                             local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
-                             momentum=args.momentum, round_timeout=args.round_timeout,
-                             selection=args.selection, min_updates=args.min_updates,
-                             normalize_steps=args.normalize_steps, model_codec=args.model_codec,
-                             serve_average=args.serve_average, hparams=dict(args.hparam),
-                             evaluate=args.evaluate, eval_only_every=args.eval_only_every, mode=args.mode,
-                             buffer_size=args.buffer_size, max_staleness=args.max_staleness,
-                             staleness_weight=args.staleness_weight,
-                             downlink=args.downlink, downlink_codec=args.downlink_codec,
-                             downlink_chain=args.downlink_chain)
-    if args.codec:
-        settings.codec = args.codec
-    simulate(spec, settings, echo=lambda line: print(line, flush=True))
+                          devices_dir=args.devices_dir, test_data=args.test_data, holdout=args.holdout,
+                          sites=args.sites, site_workers=args.site_workers)
+    simulate(spec, round_settings(args, given), echo=lambda line: print(line, flush=True))
     return 0
 
 
@@ -244,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     from .operator_cli import OPERATOR_COMMANDS, build_operator_parser
     argv = sys.argv[1:] if argv is None else argv
     # operator commands need no torch: parse them without the simulate parser's imports
-    args = (build_operator_parser() if argv[:1] and argv[0] in OPERATOR_COMMANDS else build_parser()).parse_args(argv)
+    parser = build_operator_parser() if argv[:1] and argv[0] in OPERATOR_COMMANDS else build_parser()
+    args = parser.parse_args(argv)
     # journald stamps time and unit itself; elsewhere a timestamp helps
     fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -266,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         errors += (RoundFailed,)
     try:
         if args.command == "simulate":
-            return run_simulate(args)
+            return run_simulate(args, given_flags(parser, argv))
         if hasattr(args, "run"):
             return args.run(args)
         if args.command == "site-aggregator":

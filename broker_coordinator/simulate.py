@@ -10,6 +10,7 @@ that device's source, with the user's model (`model = "package.module:factory"`)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from edgefl_protocol.settings import ConfigError, read_toml, to_toml
 from models import datasets, partition
 from models.objectives import Objective
 
-from . import fleet
+from . import composition, fleet
 from .broker import COORDINATOR_USER, PrivateBroker
 from .buffered import coordinator_class
 from .coordinator import RoundSettings, record_dict
@@ -32,6 +33,8 @@ from .metrics import Metrics
 from .processes import stop_processes
 from .store import Store
 from .report import format_round, plot_accuracy, write_history
+from .simulated_sites import SimulatedSites, deal
+from .tree import TreeCoordinator
 
 log = logging.getLogger("broker_coordinator.simulate")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +65,8 @@ class SimulationSpec:
     devices_dir: Path | None = None  # the user's own devices: one <device>.toml with a [data] section each
     test_data: Path | None = None  # with devices_dir: the coordinator's test set (.npz); None = none
     holdout: float = 0.2  # the shards' held-out fraction when devices evaluate (built-in datasets)
+    sites: int = 0  # > 0: the devices in this many bridged sites, each with its aggregator (simulated_sites)
+    site_workers: int = 1  # aggregator workers per site
 
 
 def read_partition_file(path: Path, agents: int, train_size: int) -> list:
@@ -166,6 +171,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
 
     `spawn(config, log_path)` starts one agent process (bench/pi/pi_check.py starts one under emulation)."""
     settings.validate()
+    if spec.sites:
+        composition.check(settings, "sites")
     objective = Objective.of(spec.task, spec.loss)
     own = read_devices_dir(spec.devices_dir) if spec.devices_dir else None
     data = None if own else datasets.load(spec.dataset, num_users=spec.agents, seed=spec.seed)
@@ -201,26 +208,46 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
              f"({spec.partition_file or spec.partition}), "
              f"{len(data.test)} held out for the coordinator")
 
-    broker = PrivateBroker(run_dir / "broker", spec.federation, port=spec.broker_port, mosquitto=spec.mosquitto)
-    coordinator_password = broker.add_user(COORDINATOR_USER)
     devices = list(own) if own else [f"dev-{i:03d}" for i in range(spec.agents)]
-    passwords = {device: broker.add_user(device) for device in devices}
     keys = {device: signing.new_key() for device in devices}  # per-device update signing keys
     processes: dict[str, subprocess.Popen] = {}
     history: list[dict] = []
     churn: fleet.Churn | None = None
-    with broker:
-        echo(f"mosquitto listening on 127.0.0.1:{broker.port} (no anonymous access, per-device ACL)")
+    with contextlib.ExitStack() as running:
         metrics = Metrics()
         if spec.metrics_port:
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
         cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
-        coordinator = coordinator_class(settings)(
-            spec.federation, model, test_set, settings, seed=spec.seed, store=Store(run_dir / "coordinator"),
-            metrics=metrics, device_keys=keys, on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)),
-            objective=objective)
-        coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
+        common = dict(seed=spec.seed, store=Store(run_dir / "coordinator"), metrics=metrics,
+                      on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)), objective=objective)
+        if spec.sites:
+            sites = SimulatedSites(run_dir / "sites", spec.federation, model, deal(devices, spec.sites), keys,
+                                   spec.site_workers)
+            running.callback(sites.stop)
+            sites.start()
+            assert sites.rig is not None and sites.rig.central is not None
+            passwords, port_of = sites.rig.passwords, sites.device_port
+            coordinator = TreeCoordinator(spec.federation, model, test_set, settings, device_keys={},
+                                          sites=sites.specs(), **common)
+            running.callback(coordinator.close)
+            coordinator.connect("127.0.0.1", sites.rig.central.port, COORDINATOR_USER,
+                                sites.rig.coordinator_password)
+            echo(f"{spec.sites} sites, each a mosquitto bridged to a central one on 127.0.0.1:"
+                 f"{sites.rig.central.port} (no anonymous access, per-device ACL), {spec.site_workers} "
+                 f"aggregator worker(s) a site")
+        else:
+            broker = PrivateBroker(run_dir / "broker", spec.federation, port=spec.broker_port,
+                                   mosquitto=spec.mosquitto)
+            coordinator_password = broker.add_user(COORDINATOR_USER)
+            passwords = {device: broker.add_user(device) for device in devices}
+            running.enter_context(broker)
+            port_of = lambda device: broker.port  # noqa: E731
+            echo(f"mosquitto listening on 127.0.0.1:{broker.port} (no anonymous access, per-device ACL)")
+            coordinator = coordinator_class(settings)(spec.federation, model, test_set, settings, device_keys=keys,
+                                                      **common)
+            running.callback(coordinator.close)
+            coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         groups, cgroup_procs, classes = setup_fleet(spec, devices, f"edgefl-{spec.federation}-{os.getpid()}", echo)
 
         def start(device: str, again: bool = False) -> subprocess.Popen:
@@ -231,7 +258,7 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
 
         try:
             for device, local in zip(devices, device_data):
-                write_agent_config(devices_dir / device / "agent.toml", device, passwords[device], broker.port,
+                write_agent_config(devices_dir / device / "agent.toml", device, passwords[device], port_of(device),
                                    spec, local, keys[device])
                 processes[device] = start(device)
             echo(f"started {len(processes)} agent processes; waiting for them to come online")
@@ -261,7 +288,6 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             if churn:
                 churn.stop()
             stop_processes(list(processes.values()))
-            coordinator.close()
             if groups:
                 groups.remove()
 
@@ -274,7 +300,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,
             "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else [],
-            "mode": settings.mode}  # buffered: each record is a version, --rounds counts versions
+            "mode": settings.mode, "aggregator": settings.aggregator, "downlink": settings.downlink,
+            "sites": spec.sites}  # buffered: each record is a version, --rounds counts versions
     if settings.mode == "buffered":
         meta.update(buffer_size=settings.buffer_size, max_staleness=settings.max_staleness,
                     staleness_weight=settings.staleness_weight)

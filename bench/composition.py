@@ -1,0 +1,166 @@
+"""Every combination of the engine's choices, run for real (issue 19): `make composition`.
+
+Cells: {sync, buffered} x {flat, sites} x {dynsam, fedavg, feddyn} x {the default fold, mean} x
+{full, delta downlink} x {central, device evaluation}. A cell that `composition` refuses is
+recorded with the rule's reason; every other cell runs `broker-coordinator simulate` in process
+(real Mosquitto brokers, bridged for sites, and real agent processes training on digits) and must
+end with a better model than it started from: the final score above the untrained model's, on the
+same evaluation (the coordinator's test set, or the devices' held-out slices, which measure the
+model they received: round 1's federated score is the untrained model's).
+
+    python -m bench.composition                 # every cell: bench/results/composition.json, .md
+    python -m bench.composition --pairwise      # a pairwise-covering subset (what `make test` runs)
+
+`tests/test_composition_e2e.py` runs the pairwise subset with fewer rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from broker_coordinator import composition
+from broker_coordinator.robust import DEFAULT_AGGREGATOR
+from broker_coordinator.round_settings import RoundSettings
+
+from . import provenance
+
+RESULTS = Path(__file__).resolve().parent / "results"
+AXES = {
+    "schedule": ("sync", "buffered"),
+    "topology": ("flat", "sites"),
+    "algorithm": ("dynsam", "fedavg", "feddyn"),
+    "fold": ("default", "mean"),
+    "downlink": ("full", "delta"),
+    "evaluate": ("central", "devices"),
+}
+AGENTS, VERSIONS, SITES = 6, 3, 2
+
+
+@dataclass(frozen=True)
+class Cell:
+    schedule: str
+    topology: str
+    algorithm: str
+    fold: str
+    downlink: str
+    evaluate: str
+
+    def settings(self, round_timeout: float = 20.0) -> RoundSettings:
+        return RoundSettings(algorithm=self.algorithm, mode=self.schedule, downlink=self.downlink,
+                             aggregator=DEFAULT_AGGREGATOR if self.fold == "default" else "mean",
+                             evaluate=self.evaluate, round_timeout=round_timeout, buffer_size=3)
+
+    def name(self) -> str:
+        return "/".join(asdict(self).values())
+
+
+def cells() -> list[Cell]:
+    return [Cell(*values) for values in itertools.product(*AXES.values())]
+
+
+def refusal(cell: Cell) -> str:
+    """Why `composition` refuses the cell ("" = it runs)."""
+    try:
+        cell.settings().validate()
+        composition.check(cell.settings(), cell.topology)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def pairwise(candidates: list[Cell]) -> list[Cell]:
+    """A greedy subset of `candidates` covering every pair of axis values that some candidate has."""
+    keys = list(AXES)
+
+    def pairs(cell: Cell) -> set[tuple]:
+        values = asdict(cell)
+        return {((a, values[a]), (b, values[b])) for a, b in itertools.combinations(keys, 2)}
+
+    uncovered = set().union(*(pairs(c) for c in candidates))
+    chosen: list[Cell] = []
+    while uncovered:
+        best = max(candidates, key=lambda c: (len(pairs(c) & uncovered), -candidates.index(c)))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def untrained_score(arch: str, seed: int) -> float:
+    """The central metric of the model every cell starts from (models.build_model(arch, seed))."""
+    from models import datasets
+    from models.architectures import build_model
+    from models.objectives import Objective
+    return Objective().evaluate(build_model(arch, seed), datasets.load("digits").test).score
+
+
+def run_cell(cell: Cell, workdir: Path, agents: int = AGENTS, versions: int = VERSIONS, seed: int = 0) -> dict:
+    """Run one cell through `simulate`; its record (ok, first/final score, detail)."""
+    from broker_coordinator.simulate import SimulationSpec, simulate
+
+    spec = SimulationSpec(agents=agents, rounds=versions, dataset="digits", seed=seed, out=workdir,
+                          federation="comp", sites=SITES if cell.topology == "sites" else 0)
+    lines: list[str] = []
+    started = time.monotonic()
+    history = simulate(spec, cell.settings(), echo=lines.append)
+    key = "score" if cell.evaluate == "central" else None
+    scores = [(r["federated"] or {}).get("score", math.nan) if key is None else r["score"] for r in history]
+    first = untrained_score("digits_mlp", seed) if key else scores[0]
+    final = scores[-1]
+    ok = bool(final > first)
+    return {**asdict(cell), "ok": ok, "first_score": round(first, 4), "final_score": round(final, 4),
+            "detail": f"{len(history)} versions in {time.monotonic() - started:.0f} s; "
+                      f"participants {[r['participants'] for r in history]}; last line: {lines[-2] if len(lines) > 1 else ''}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairwise", action="store_true", help="only a pairwise-covering subset of the cells")
+    parser.add_argument("--versions", type=int, default=VERSIONS)
+    args = parser.parse_args(argv)
+    refused, runnable = [], []
+    for cell in cells():
+        why = refusal(cell)
+        (refused.append({"combination": cell.name(), "reason": why}) if why else runnable.append(cell))
+    chosen = pairwise(runnable) if args.pairwise else runnable
+    results = []
+    for i, cell in enumerate(chosen, 1):
+        with tempfile.TemporaryDirectory(prefix="edgefl-composition-") as tmp:
+            try:
+                row = run_cell(cell, Path(tmp), versions=args.versions)
+            except Exception as exc:  # a cell that breaks is a result, not the end of the benchmark
+                row = {**asdict(cell), "ok": False, "first_score": None, "final_score": None,
+                       "detail": f"{type(exc).__name__}: {exc}"}
+        results.append(row)
+        print(f"[{i}/{len(chosen)}] {cell.name()}: {'ok' if row['ok'] else 'FAILED'} "
+              f"{row['first_score']} -> {row['final_score']}", flush=True)
+    out = {"measured_with": provenance.measured_with(
+               provenance.invoked(), provenance.deciding(RoundSettings()), data="digits (sklearn)", agents=AGENTS,
+               versions=args.versions, sites=SITES, round_timeout=20.0, buffer_size=3, seeds=[0],
+               varies={k: list(v) for k, v in AXES.items()}, subset="pairwise" if args.pairwise else "all"),
+           "cells": results, "refused": refused}
+    name = "composition_pairwise" if args.pairwise else "composition"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
+    rows = ["| schedule | topology | algorithm | fold | downlink | evaluate | ok | first | final |",
+            "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: |"]
+    rows += [f"| {r['schedule']} | {r['topology']} | {r['algorithm']} | {r['fold']} | {r['downlink']} | "
+             f"{r['evaluate']} | {'yes' if r['ok'] else '**no**'} | {r['first_score']} | {r['final_score']} |"
+             for r in results]
+    reasons = sorted({r["reason"] for r in refused})
+    text = (f"# Composition ({len(results)} cells run, {sum(r['ok'] for r in results)} ok; {len(refused)} refused)\n\n"
+            f"Command: `{out['measured_with']['command']}` at {out['measured_with']['commit']}.\n\n"
+            + "\n".join(rows) + "\n\n## Refused, and why\n\n" + "\n".join(f"- {r}" for r in reasons) + "\n")
+    (RESULTS / f"{name}.md").write_text(text)
+    print(f"wrote {RESULTS / name}.json and .md")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
