@@ -100,9 +100,6 @@ class DampedAggregate:
 class BufferedCoordinator(Coordinator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.evaluate_devices or not self.evaluate_central:
-            raise ValueError("buffered mode evaluates each version on the coordinator's test set: set "
-                             "[federation] test_data (devices would each measure a different version)")
         self.tickets: dict[tuple[int, int], Ticket] = {}  # (round, attempt) of each task not yet answered
         self.working: dict[str, tuple[int, int]] = {}  # device -> its outstanding task
         self.releases: dict[int, int] = {}  # older model versions kept retained (version -> chunks)
@@ -169,7 +166,7 @@ class BufferedCoordinator(Coordinator):
         for device in chosen:
             attempt = self._next_attempt(buffer.number)
             task = messages.Task(buffer.number, self.version, deadline, s.algorithm, hparams, broadcast, s.codec,
-                                 attempt, self.objective.task, self.objective.loss)
+                                 attempt, self.objective.task, self.objective.loss, evaluate=self.evaluate_devices)
             self.tickets[(buffer.number, attempt)] = Ticket(device, self.version, deadline)
             self.working[device] = (buffer.number, attempt)
             buffer.cohort.add(device)

@@ -59,23 +59,11 @@ RULES: tuple[Rule, ...] = (
          'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
          'dual = 0 and global_perturbation = 0)',
          lambda s: f'algorithm = "{s.algorithm}": {_async_refusal(s)}'),
-    Rule('mode buffered + evaluate devices | both', "mathematical",
-         "devices evaluate the version they received, a different one each in buffered mode, so their "
-         "sample-weighted mean describes no model",
-         lambda s, t: s.mode == "buffered" and s.evaluate in ("devices", "both"),
-         'evaluate = "central" with [federation] test_data'),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,
          "eval_only_every = 0"),
-    Rule('mode buffered + downlink delta', "not built",
-         "delta chains follow one version at a time, and buffered mode keeps several in flight",
-         lambda s, t: s.mode == "buffered" and s.downlink != "full",
-         'downlink = "full"'),
-    Rule('topology sites + downlink delta', "not built",
-         "the site bridges were not built or measured with delta chains",
-         lambda s, t: t == "sites" and s.downlink != "full",
-         'downlink = "full" (the model crosses each bridge once per version)'),
+
 )
 
 

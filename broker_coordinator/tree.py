@@ -252,6 +252,8 @@ class TreeCoordinator(Coordinator):
             record.clipped = dict(Counter(rnd.aggregate.bounded))
             record.selected = sum(m.get("selected", 0) for m in rnd.device_metrics.values())
             record.participants = _devices_counted(rnd)
+            # the sites' devices report what they received (a measurement, trusted for nothing)
+            record.bytes_down = int(rnd.aggregate.summary.get("bytes_down", [0, 0.0])[1])
             if record.federated:
                 record.federated["devices"] = rnd.aggregate.reports
         return record
