@@ -10,7 +10,7 @@
    during rounds, against a bare `python -c "import torch"` in the same run;
    CPU seconds per round.
 
-    python bench/runtime.py            # full (about 10 minutes on 2 cores)
+    python bench/runtime.py            # full (about 10 minutes on 2 idle cores)
     python bench/runtime.py --quick    # 10 agents, 100/300 devices, fewer rounds
 """
 
@@ -50,6 +50,21 @@ from models import datasets  # noqa: E402
 from models.architectures import build_model, get_weights  # noqa: E402
 
 FED = "bench"
+# Every part runs the shipped defaults (RoundSettings()), setting only what the part must.
+OVERHEAD_SETTINGS = RoundSettings()  # real agents: each chooses its local epochs (local_epochs=0), dynsam, ...
+
+
+def scale_settings(size: int) -> RoundSettings:
+    """The scale part's coordinator: the defaults, but a round waits for every simulated device
+    (min_updates) and a long deadline, so that a round measures the whole cohort's intake."""
+    return RoundSettings(round_timeout=600, min_updates=size)
+
+
+# What the scale part's devices do differently from a real agent (written into measured_with and runtime.md)
+SWARM_DIFFERS = ("the swarm devices (bench/swarm.py) send one precomputed signed update of the MNIST CNN in the "
+                 "default codec, with the metrics a real dynsam agent sends, instead of training: no local epochs "
+                 "and no model download; the coordinator waits for all of them (min_updates = devices, "
+                 "round_timeout 600 s)")
 
 
 class RssSampler:
@@ -112,7 +127,7 @@ def overhead_run(agents: int, rounds: int, workdir: Path) -> dict:
 
     processes = []
     with broker:
-        coordinator = Coordinator(FED, data.model, data.test, RoundSettings(local_epochs=2, round_timeout=600),
+        coordinator = Coordinator(FED, data.model, data.test, OVERHEAD_SETTINGS,
                                   store=Store(workdir / "coordinator"), on_state=on_state, device_keys=keys)
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, password)
         try:
@@ -130,7 +145,8 @@ def overhead_run(agents: int, rounds: int, workdir: Path) -> dict:
                 m = marks[r]
                 rows.append({"round": r, "slowest_train_s": slowest,
                              "orchestrated_s": m["aggregated"] - m["start"], "full_round_s": record.seconds,
-                             "participants": record.participants})
+                             "participants": record.participants, "rejected": dict(record.rejected),
+                             "epochs_chosen": sorted({int(m.get("epochs", 0)) for m in record.devices.values()})})
             cpu_after = sampler.cpu_seconds()
             peaks = sampler.stop()
         finally:
@@ -200,7 +216,7 @@ def coordinator_worker(args: argparse.Namespace) -> None:
         marks[rnd.number][rnd.state.value + "_cpu"] = time.process_time()
 
     coordinator = Coordinator(FED, "mnist_cnn", data.test,
-                              RoundSettings(round_timeout=600, min_updates=args.size, lr_decay=1.0),
+                              scale_settings(args.size),
                               store=Store(args.state), on_state=on_state,
                               device_keys={f"sim-{i:04d}": swarm_key(f"sim-{i:04d}") for i in range(args.size)})
     coordinator.connect("127.0.0.1", args.port, COORDINATOR_USER, args.password, keepalive=120)
@@ -212,7 +228,8 @@ def coordinator_worker(args: argparse.Namespace) -> None:
         m = marks[r]
         collect = m["closed"] - m["collecting"]
         cpu = m["closed_cpu"] - m["collecting_cpu"]  # this process only: paho's thread + validation + folding
-        rows.append({"round": r, "participants": record.participants, "round_s": record.seconds,
+        rows.append({"round": r, "participants": record.participants, "rejected": dict(record.rejected),
+                     "round_s": record.seconds,
                      "collect_s": collect, "updates_per_s": record.participants / collect,
                      "updates_per_cpu_s": record.participants / cpu})
     coordinator.close()
@@ -227,13 +244,24 @@ def coordinator_worker(args: argparse.Namespace) -> None:
 
 def write_table(path: Path, result: dict) -> None:
     lines = ["# Runtime benchmark", "", f"Command: `{result['command']}`", ""]
-    lines += ["## Orchestration overhead (real agents, MNIST CNN, 2 local epochs)", "",
+    mw = result["measured_with"]
+    lines += [f"Measured with the shipped defaults at {mw['commit']}: " + ", ".join(
+                  f"{k} `{mw[k]}`" for k in ("algorithm", "local_epochs", "codec", "downlink", "aggregator",
+                                             "weighting", "norm_bound", "mode", "topology")) + ".", "",
+              "Load average (1 min) at start / end of each part: " + "; ".join(
+                  f"{part} {v['start'][0]:.2f} / {v['end'][0]:.2f}" for part, v in result.get("load", {}).items() if v)
+              + " (2 cores, shared with other jobs).", ""]
+    epochs = sorted({e for row in result["overhead"] for r in row["rounds"] for e in r.get("epochs_chosen", [])})
+    lines += ["## Orchestration overhead (real agents, MNIST CNN, each agent chooses its local epochs: "
+              f"{', '.join(map(str, epochs))})", "",
               "| agents | round / slowest client training (median) | with evaluation + checkpoint | agent CPU s per round (median) |",
               "| --- | --- | --- | --- |"]
     for row in result["overhead"]:
         lines.append(f"| {row['agents']} | {row['overhead_ratio']:.3f} | {row['overhead_ratio_with_eval_and_checkpoint']:.3f} "
                      f"| {row['agent_cpu_s_per_round_median']:.2f} |")
     lines += ["", "## Scale (simulated devices, precomputed signed updates of the 80k CNN in the default codec)", "",
+              f"Where this part differs from a real fleet: {mw['scale_differs']}. Updates rejected: "
+              f"{sum(sum(r.get('rejected', {}).values()) for row in result['scale'] for r in row['rounds'])}.", "",
               "| devices | round completion s (median) | updates/s (median) | updates per coordinator CPU-second | coordinator peak RSS MB |",
               "| --- | --- | --- | --- | --- |"]
     for row in result["scale"]:
@@ -269,17 +297,28 @@ def main() -> None:
     rounds = 3 if args.quick else 5
     previous_path = args.out / "runtime.json"
     previous = json.loads(previous_path.read_text()) if args.only and previous_path.exists() else {}
+    load: dict[str, dict | None] = {}  # os.getloadavg() (1, 5, 15 min) at the start and end of each part
     with tempfile.TemporaryDirectory(prefix="edgefl-bench-") as tmp:
         if args.only == "scale" and previous:
             bare = previous["agent_footprint"]["bare_torch_rss_mb"] * 2**20
             overhead = previous["overhead"]
+            load.update({k: v for k, v in previous.get("load", {}).items() if k == "overhead"})
         else:
+            start = os.getloadavg()
             bare = bare_torch_rss()
             overhead = [overhead_run(n, rounds, Path(tmp) / f"overhead-{n}") for n in agent_counts]
+            load["overhead"] = {"start": start, "end": os.getloadavg()}
         for row in overhead:
             print(f"{row['agents']} agents: overhead ratio {row['overhead_ratio']:.3f}", flush=True)
-        scale = (previous["scale"] if args.only == "overhead" and previous
-                 else [scale_run(n, 3, Path(tmp) / f"scale-{n}") for n in sizes])
+        if args.only == "overhead" and previous:
+            scale = previous["scale"]
+            load.update({k: v for k, v in previous.get("load", {}).items() if k.startswith("scale")})
+        else:
+            scale = []
+            for n in sizes:
+                start = os.getloadavg()
+                scale.append(scale_run(n, 3, Path(tmp) / f"scale-{n}"))
+                load[f"scale-{n}"] = {"start": start, "end": os.getloadavg()}
         for row in scale:
             print(f"{row['size']} devices: {row['updates_per_s_median']:.0f} updates/s, "
                   f"peak RSS {row['coordinator_peak_rss_mb']:.0f} MB", flush=True)
@@ -296,12 +335,15 @@ def main() -> None:
         "agent_footprint": {"agent_peak_rss_mb": agent_peak, "bare_torch_rss_mb": bare / 2**20,
                             "agent_rss_ratio": agent_peak / (bare / 2**20),
                             "agent_cpu_s_per_round": ten["agent_cpu_s_per_round_median"]},
-        "overhead": overhead, "scale": scale,
+        "load": load, "overhead": overhead, "scale": scale,
     }
     result["measured_with"] = provenance.measured_with(
-        result["command"], provenance.deciding(RoundSettings(local_epochs=2)), data="mnist5k",
+        result["command"], provenance.deciding(OVERHEAD_SETTINGS), data="mnist5k",
         partition="dirichlet:0.3 (overhead runs); the scale runs send precomputed signed updates",
-        note="the overhead runs set local_epochs=2; the scale runs' coordinator uses RoundSettings' defaults")
+        describes="defaults",
+        scale_differs=SWARM_DIFFERS,
+        note="every part uses RoundSettings() (the shipped defaults); the overhead runs' agents choose their "
+             "own local epochs; the machine's 2 cores are shared with other jobs: load averages under 'load'")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "runtime.json").write_text(json.dumps(result, indent=2) + "\n")
     write_table(args.out / "runtime.md", result)

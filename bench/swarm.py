@@ -19,6 +19,14 @@ import msgpack  # noqa: E402
 from edgefl_protocol import messages, topics  # noqa: E402
 from edgefl_protocol.transport import make_client  # noqa: E402
 
+# What a real agent running the default algorithm (dynsam) reports with its update (edge_agent/training.py's
+# train_* / epochs / steps / passes, dynsam's rho / alpha / sigma / gamma, edge_agent/agent.py's epochs_reason,
+# download counters and model provenance), with values of a 100-sample shard trained for 4 epochs
+AGENT_METRICS = {"train_loss": 0.42, "epochs": 4, "steps": 16, "passes": 20, "train_seconds": 1.9,
+                 "rho": 0.05, "alpha": 0.1, "sigma": 0.012, "gamma": 0.61,
+                 "epochs_reason": "speed 900 samples/s", "bytes_down": 0, "bytes_down_join": 0,
+                 "model_sha": "0" * 16, "model_via": "cache"}
+
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
@@ -37,8 +45,8 @@ def main(spec_path: str) -> int:
 
         def on_message(c, userdata, msg, device=device):  # noqa: ANN001
             task = messages.decode_task(msg.payload)
-            update = messages.Update(device, task.round, task.model_version, 100, {"steps": 4}, encoded["body"],
-                                     encoded["codec"], encoded["specs"], fed)
+            update = messages.Update(device, task.round, task.model_version, 100, AGENT_METRICS, encoded["body"],
+                                     encoded["codec"], encoded["specs"], fed, task.attempt)
             key = hashlib.sha256(f"edgefl-bench-swarm/{device}".encode()).digest()  # = runtime.swarm_key
             c.publish(topics.update(fed, device), messages.encode_update(update, key), qos=1)
 
