@@ -52,20 +52,36 @@ def test_buffered_refuses_dual_algorithms_and_says_what_to_choose(algorithm):
                                             ("max_staleness", -1, "max_staleness must be >= 0"),
                                             ("staleness_weight", "linear", "staleness_weight must be one of"),
                                             ("mode", "async", "mode must be one of sync, buffered"),
-                                            ("evaluate", "devices", 'mode buffered \\+ evaluate devices .* '
-                                                                    'set evaluate = "central"'),
                                             ("eval_only_every", 3, "mode buffered \\+ eval_only_every .* "
-                                                                   "set eval_only_every = 0"),
-                                            ("downlink", "delta", 'mode buffered \\+ downlink delta .* '
-                                                                  'set downlink = "full"')])
+                                                                   "set eval_only_every = 0")])
 def test_buffered_settings_are_validated_naming_the_key(key, value, says):
     with pytest.raises(ConfigError, match=says):
         build_section(RoundSettings, {"mode": "buffered", "algorithm": "fedavg", key: value}, "c.toml [rounds]")
 
 
-def test_buffered_needs_a_test_set_on_the_coordinator():
-    with pytest.raises(ValueError, match="set \\[federation\\] test_data"):
-        BufferedCoordinator("u", "digits_mlp", None, RoundSettings(algorithm="fedavg", mode="buffered"))
+def _evaluated(c, device, version, attempt, score):
+    tensors = {k: np.zeros_like(v) for k, v in c.weights.items()}
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    metrics = {"steps": 1, "eval_metric": "accuracy", "eval_score": score, "eval_loss": 1.0, "eval_count": 20}
+    return messages.encode_update(messages.Update(device, 1, version, 10, metrics, body, "float32", specs, "u",
+                                                  attempt), KEY)
+
+
+def test_without_a_test_set_buffered_versions_are_scored_by_the_devices_that_measured_them(tmp_path):
+    s = RoundSettings(algorithm="fedavg", codec="float32", mode="buffered", aggregator="mean", max_staleness=2)
+    c = BufferedCoordinator("u", "digits_mlp", None, s, store=Store(tmp_path), device_keys={d: KEY for d in DEVICES})
+    assert c.evaluate_devices and not c.evaluate_central
+    c.version = 4
+    buffer = c._open_buffer(1)
+    for attempt, (device, version) in enumerate([("d1", 4), ("d2", 3), ("d3", 4)], start=1):
+        _task(c, device, version, attempt)
+    c._on_update(buffer, "d1", _evaluated(c, "d1", 4, 1, 0.8), time.time())
+    c._on_update(buffer, "d2", _evaluated(c, "d2", 3, 2, 0.1), time.time())  # measured version 3, not 4
+    c._on_update(buffer, "d3", _evaluated(c, "d3", 4, 3, 0.6), time.time())
+    assert buffer.aggregate.count == 3 and set(buffer.evaluations) == {"d1", "d3"}
+    record = c._record(buffer, "", "", "complete")
+    assert record.federated["score"] == pytest.approx(0.7) and record.federated["model_version"] == 4
 
 
 def _coordinator(tmp_path, **settings):
