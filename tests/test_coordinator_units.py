@@ -303,3 +303,19 @@ def test_presence_is_written_once_per_drain_tick_and_flushed_on_close(tmp_path):
     rows = {d["device"]: d for d in Store(tmp_path).devices()}
     assert rows["dev-3"]["online"] == 0 and rows["dev-3"]["profile"]  # the last state, its profile kept
     assert len(rows) == 50 and all(rows[f"dev-{i}"]["online"] for i in range(50) if i != 3)
+
+
+@pytest.mark.parametrize("bound", [0.0, 1e6])
+def test_an_updates_norm_is_computed_once_with_or_without_a_hard_bound(tmp_path, monkeypatch, bound):
+    """Intake's hard bound needs the delta's norm, and so does the robust fold: it is computed once
+    and handed on (the old code computed it in intake.py and again in RobustRound.add)."""
+    from broker_coordinator import intake, robust
+
+    c, rnd = _coordinator_and_round(tmp_path)
+    c.settings.max_update_norm = bound
+    norms, real = [], robust.l2_norm
+    counted = lambda tensors: norms.append(real(tensors)) or norms[-1]  # noqa: E731
+    monkeypatch.setattr(intake, "l2_norm", counted)
+    monkeypatch.setattr(robust, "l2_norm", counted)
+    c._on_update(rnd, "d1", _update(c), time.time())
+    assert rnd.aggregate.count == 1 and len(norms) == 1
