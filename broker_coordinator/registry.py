@@ -260,8 +260,14 @@ def _device(row: sqlite3.Row) -> Device:
 def match_owner(path: Path) -> None:
     """When root creates a file in a service user's directory, hand it to that directory's owner,
     so that the CLI (run with sudo) and the service (its own user) can share it."""
+    owner = directory_owner(path)
+    if owner is not None:
+        os.chown(path, *owner)
+
+
+def directory_owner(path: Path) -> tuple[int, int] | None:
+    """(uid, gid) a file created at `path` should have (see match_owner); None: leave it as created."""
     if os.geteuid() != 0:
-        return
+        return None
     parent = path.parent.stat()
-    if parent.st_uid != 0 or parent.st_gid != 0:
-        os.chown(path, parent.st_uid, parent.st_gid)
+    return (parent.st_uid, parent.st_gid) if parent.st_uid != 0 or parent.st_gid != 0 else None
