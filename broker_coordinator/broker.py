@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgefl_protocol import topics
+from edgefl_protocol.persist import atomic_write
 
 from .processes import stop_processes
 
@@ -293,9 +294,7 @@ class PrivateBroker:
 
 
 def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
+    atomic_write(path, text, 0o600)
 
 
 def _current_user() -> str:

@@ -43,7 +43,7 @@ from edgefl_protocol import messages, topics
 from edgefl_protocol.errors import Rejected
 
 from .coordinator import Coordinator, RoundFailed
-from .intake import _clock
+from .intake import Judged, _clock
 from .robust import RobustRound
 from .round_settings import RoundRecord, RoundSettings
 from .rounds import Round, RoundState
@@ -77,8 +77,9 @@ class DampedAggregate:
         self.weight = 0.0  # sum n_k f(s_k): the weights the fold was given
         self.undamped = 0.0  # sum n_k
 
-    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1) -> None:
-        self.robust.add(device, delta, weight, steps)
+    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
+            norm: float | None = None) -> None:
+        self.robust.add(device, delta, weight, steps, norm)
 
     def damp(self, weight: float, factor: float) -> None:
         """Record that an update of fold weight n_k f(s_k) = `weight` had staleness factor f(s_k)."""
@@ -249,7 +250,7 @@ class BufferedCoordinator(Coordinator):
         return weight * self._factor(update), steps, note
 
     def _fold(self, current: Round, device: str, answer: messages.Update | messages.Refusal,
-              judged: tuple[dict, float, int, str] | messages.Refusal, size: int, digest: str) -> None:
+              judged: Judged | messages.Refusal, size: int, digest: str) -> None:
         super()._fold(current, device, answer, judged, size, digest)
         if isinstance(answer, messages.Update) and not isinstance(judged, messages.Refusal):
             factor = self._factor(answer)

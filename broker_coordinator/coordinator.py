@@ -215,7 +215,9 @@ class Coordinator(UpdateIntake, DevicePresence):
         try:
             topic, payload, arrived, retained = self.inbox.get(timeout=max(timeout, 0.0))
         except queue.Empty:
+            self._flush_presence(quiet=True)
             return
+        self._flush_presence(quiet=False)
         if topic == "" and payload == b"reset-presence":
             self.online.clear()
             return

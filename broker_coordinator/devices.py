@@ -22,7 +22,6 @@ import shlex
 import signal
 import ssl
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -31,13 +30,14 @@ from pathlib import Path
 from edgefl_protocol import enrollment as tokens
 from edgefl_protocol import messages, topics
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.persist import atomic_write
 from edgefl_protocol.transport import connect, make_client
 
 from .broker import (BrokerError, admin_password, admin_user, desk_password, desk_user, hash_password, render_acl,
                      render_fragment, reserved_users, tool_users)
 from .config import CoordinatorBroker, CoordinatorConfig
 from .sites import central_users, partial_allowance, render_central_acl
-from .registry import REVOKED, Activity, Device, Registry, match_owner
+from .registry import REVOKED, Activity, Device, Registry, directory_owner
 
 SIGNING_KEY_BYTES = 32
 
@@ -48,21 +48,11 @@ def open_registry(config: CoordinatorConfig) -> Registry:
 
 # the broker's files ---------------------------------------------------------------------
 def write_file(path: Path, text: str, mode: int) -> None:
-    """Write atomically (temp file, rename) with `mode`, owned like its directory when run as root.
-    The temp file's name is unique: the CLI and the service's enrollment desk (which rewrites the
-    password file when a token expires) may write the same file at the same moment."""
+    """Write atomically and fsynced (persist.atomic_write) with `mode`, owned like its directory when
+    run as root. The temp file's name is unique: the CLI and the service's enrollment desk (which
+    rewrites the password file when a token expires) may write the same file at the same moment."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, mode)
-        match_owner(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, text, mode, owner=directory_owner(path))
 
 
 def render_password_file(config: CoordinatorConfig, registry: Registry) -> str:

@@ -23,6 +23,8 @@ from .robust import l2_norm
 from .rounds import Round
 
 log = logging.getLogger("broker_coordinator")
+# an accepted update, judged: (delta, weight, steps, the weight's note, its norm if the hard bound took it)
+Judged = tuple[dict, float, int, str, float | None]
 
 
 def _clock(ts: float) -> str:
@@ -68,7 +70,7 @@ class UpdateIntake:
             self.store.record_device_round(*where, device, False, exc.reason, None)
 
     def _fold(self, current: Round, device: str, answer: messages.Answer,
-              judged: tuple[dict, float, int, str] | messages.Refusal | messages.EvalReport, size: int,
+              judged: Judged | messages.Refusal | messages.EvalReport, size: int,
               digest: str) -> None:
         if isinstance(answer, messages.EvalReport):
             current.evaluations[device] = (answer.score, answer.loss, answer.count)
@@ -89,10 +91,10 @@ class UpdateIntake:
                                                f"refused:{answer.reason}", {"detail": answer.detail})
             return
         assert not isinstance(judged, messages.Refusal)
-        delta, weight, steps, weight_note = judged
+        delta, weight, steps, weight_note, norm = judged
         if weight_note:
             current.weights_clipped += 1
-        current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps)
+        current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps, norm=norm)
         if self.extras is not None:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
         self.server_rule.observe(device, answer.num_samples, answer.metrics)
@@ -167,8 +169,9 @@ class UpdateIntake:
         return answer
 
     def _judge(self, current: Round | None, device: str, answer: messages.Answer, data: bytes,
-               arrived: float) -> tuple[dict, float, int, str] | messages.Refusal | messages.EvalReport | None:
-        """A readable answer: replay, freshness, then for an update its tensors, weight and steps.
+               arrived: float) -> Judged | messages.Refusal | messages.EvalReport | None:
+        """A readable answer: replay, freshness, then for an update its tensors, weight, steps, the
+        weight's note and, when the hard bound needed it, the delta's norm (the fold reuses it).
         None for a resend of an update already accepted in the open round. Raises Rejected."""
         key = (device, answer.round, answer.attempt)
         if key in self.accepted:
@@ -200,10 +203,10 @@ class UpdateIntake:
             raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.settings.codec!r}")
         delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.specs, **self.extra_specs},
                              self.max_values)
-        bound = self.settings.max_update_norm
+        bound, norm = self.settings.max_update_norm, None
         if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
-        return (delta, *self._weight_and_steps(device, answer))
+        return (delta, *self._weight_and_steps(device, answer), norm)
 
     def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
         """The open round a rejected answer to `answered` counts against: the one it answered, if open."""

@@ -19,6 +19,7 @@ from edgefl_protocol.errors import Rejected
 from .rounds import RoundFailed
 
 log = logging.getLogger("broker_coordinator")
+PRESENCE_FLUSH = 1.0  # seconds a buffered status waits at most while messages keep arriving
 
 
 class DevicePresence:
@@ -46,6 +47,12 @@ class DevicePresence:
         if self.store:
             self.store.record_presence(device, status.state == "online", dict(status.profile))
         self.metrics.online.set(len(self.online))
+
+    def _flush_presence(self, quiet: bool) -> None:
+        """The store buffers statuses: write them in one transaction when the inbox is quiet, and once
+        a second while a stream of them (a reconnect's retained statuses) keeps arriving."""
+        if self.store:
+            self.store.flush_presence(older_than=0.0 if quiet else PRESENCE_FLUSH)
 
     def eligible(self) -> list[str]:
         """Online devices that are not busy with an earlier task and that the registry admits."""

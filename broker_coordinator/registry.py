@@ -15,13 +15,19 @@ an update from a device that is not `active` is rejected (`unknown_device`,
 whoever the broker lets in.
 
 Every method opens its own short connection, so the registry is safe to use
-from paho's network thread and the main thread alike.
+from paho's network thread and the main thread alike. Admission, asked on every
+update and for every online device, is the exception: it reads one kept
+connection's copy of the devices' states, re-read only when `PRAGMA
+data_version` says another connection (the CLI's `devices revoke`, this
+registry's own writes, the round store) committed since, so a revocation takes
+effect on the next update and an update costs no connect.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,6 +88,10 @@ class Registry:
         if created:
             os.chmod(self.path, 0o600)  # it holds signing keys
             match_owner(self.path)
+        self._lock = threading.RLock()  # guards the admission reader, shared by paho's thread and the main one
+        self._reader: sqlite3.Connection | None = None
+        self._read_version: int | None = None
+        self._states: dict[str, tuple[str, float | None]] = {}  # name -> (state, revoked_at)
 
     @contextmanager
     def connect(self) -> Iterator[sqlite3.Connection]:
@@ -123,17 +133,41 @@ class Registry:
 
     def admission(self, name: str) -> tuple[str, str] | None:
         """None if updates from `name` may be accepted, else (reason, detail) for a rejection."""
-        device = self.get(name)
-        if device is None:
-            with self.connect() as db:
-                if db.execute("SELECT COUNT(*) FROM devices").fetchone()[0] == 0:
-                    return None  # registry not in use: a fleet provisioned by hand
+        states = self._admission_states()
+        if name not in states:
+            if not states:
+                return None  # registry not in use: a fleet provisioned by hand
             return "unknown_device", f"{name} is not in the device registry"
-        if device.state == REVOKED:
-            return "revoked", f"{name} was revoked at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(device.revoked_at or 0))}"
-        if device.state == PENDING:
+        state, revoked_at = states[name]
+        if state == REVOKED:
+            return "revoked", f"{name} was revoked at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(revoked_at or 0))}"
+        if state == PENDING:
             return "unknown_device", f"{name} has not enrolled yet"
         return None
+
+    def _admission_states(self) -> dict[str, tuple[str, float | None]]:
+        """name -> (state, revoked_at) of every device, from the kept connection: re-read when the
+        database changed since the last read (data_version moves on any other connection's commit)."""
+        with self._lock:
+            try:
+                if self._reader is None:
+                    self._reader = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+                version = self._reader.execute("PRAGMA data_version").fetchone()[0]
+                if version != self._read_version:
+                    self._states = {name: (state, revoked_at) for name, state, revoked_at in
+                                    self._reader.execute("SELECT name, state, revoked_at FROM devices")}
+                    self._read_version = version
+            except sqlite3.Error:
+                self.close()  # a broken connection is reopened on the next question
+                raise
+            return self._states
+
+    def close(self) -> None:
+        """Close the admission reader (the other methods keep no connection open)."""
+        with self._lock:
+            if self._reader is not None:
+                self._reader.close()
+            self._reader, self._read_version = None, None
 
     # writes -------------------------------------------------------------------------
     def add(self, name: str, federation: str, password_hash: str, signing_key: str, token_id: str,
@@ -226,8 +260,14 @@ def _device(row: sqlite3.Row) -> Device:
 def match_owner(path: Path) -> None:
     """When root creates a file in a service user's directory, hand it to that directory's owner,
     so that the CLI (run with sudo) and the service (its own user) can share it."""
+    owner = directory_owner(path)
+    if owner is not None:
+        os.chown(path, *owner)
+
+
+def directory_owner(path: Path) -> tuple[int, int] | None:
+    """(uid, gid) a file created at `path` should have (see match_owner); None: leave it as created."""
     if os.geteuid() != 0:
-        return
+        return None
     parent = path.parent.stat()
-    if parent.st_uid != 0 or parent.st_gid != 0:
-        os.chown(path, parent.st_uid, parent.st_gid)
+    return (parent.st_uid, parent.st_gid) if parent.st_uid != 0 or parent.st_gid != 0 else None

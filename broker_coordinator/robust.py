@@ -99,10 +99,12 @@ class RobustRound:
     def streaming(self) -> bool:
         return self.aggregator in STREAMING
 
-    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1) -> None:
+    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
+            norm: float | None = None) -> None:
+        """`norm`: the delta's L2 norm if the caller has it already (intake's hard bound)."""
         if not weight > 0:
             raise ValueError(f"aggregation weight must be positive, got {weight}")
-        norm = l2_norm(delta)
+        norm = l2_norm(delta) if norm is None else norm
         self.count += 1
         bound = self.bound.bound()
         if self.streaming and (bound is not None or not self.bound.enabled):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgefl_protocol import signing
+from edgefl_protocol.persist import atomic_write
 from edgefl_protocol.settings import ConfigError, read_toml, to_toml
 from models import datasets, partition
 from models.objectives import Objective
@@ -126,9 +127,7 @@ def write_agent_config(path: Path, device: str, password: str, port: int, spec: 
         sections["data"] = data
     else:
         sections["device"]["data"] = str(data)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(to_toml(sections))
+    atomic_write(path, to_toml(sections), 0o600)  # it holds the agent's broker password and signing key
 
 
 def spawn_agent(config: Path, log_path: Path, cgroup_procs: list[Path] | None = None,

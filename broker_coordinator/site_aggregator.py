@@ -21,6 +21,12 @@ update exactly as at the centre. The coordinate-wise median that gated_mean, tri
 median need is not a sum, so a partial cannot carry it (`composition` refuses them in sites).
 The site's trust history lives in the worker's memory: a restarted worker starts cold (equal
 weights and its first round's own median norm, as a fresh coordinator does).
+
+Selection at a site is the round's (`selection.select` with the policy the site task's rules
+name, `random` or `stability`), over the site's eligible devices and the last metrics the leader
+folded from them. With several workers the leader knows only the metrics of the updates it folded
+itself; a device whose metrics went to another worker counts as one with no history (eligible,
+as `stability` treats any newcomer).
 """
 
 from __future__ import annotations
@@ -55,12 +61,18 @@ from .partials import (Partial, SiteTask, decode_center, decode_site_task, encod
 from .robust import RobustRound
 from .round_settings import RoundSettings
 from .rounds import Round, RoundState
-from .selection import select
+from .selection import POLICIES, select
 from .trust import NormBound, SampleWeights
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
+
+
+def site_rules(settings: RoundSettings) -> dict[str, Any]:
+    """What a site task carries of the round's settings: the trust rules its workers apply, and the
+    selection policy its leader draws the site's cohort with."""
+    return {**{name: getattr(settings, name) for name in TRUST_RULES}, "selection": settings.selection}
 
 
 def share_topic(group: str, topic: str) -> str:
@@ -230,7 +242,12 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             return
         eligible = self.eligible()
         k = len(eligible) if site_task.clients == 0 else site_task.clients
-        cohort = sorted(select("random", eligible, k, self.rng, self.last_metrics))
+        policy = site_task.rules.get("selection", "random")  # random: a coordinator from before it was sent
+        if policy not in POLICIES:
+            log.error("round %d: the site task names selection %r, not one of %s; selecting at random",
+                      site_task.round, policy, ", ".join(POLICIES))
+            policy = "random"
+        cohort = sorted(select(policy, eligible, k, self.rng, self.last_metrics))
         for device in cohort:
             self.pending_until[device] = task.deadline
             self.pending_round[device] = site_task.round

@@ -86,6 +86,9 @@ class Store:
         self.db.executescript(SCHEMA)
         self._add_columns()
         self._device_rows: list[tuple] = []  # buffered: one transaction per round, not one per update
+        # device -> its latest presence row, buffered: one transaction per drain tick, not one per status
+        self._presence: dict[str, tuple] = {}
+        self._presence_since = 0.0  # monotonic time of the oldest buffered status
 
     def _migrate(self) -> None:
         """Databases written before history became append-only keyed rounds on (round, attempt)
@@ -171,6 +174,7 @@ class Store:
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT INTO device_rounds VALUES (?,?,?,?,?,?,?)", self._device_rows)
+            self._write_presence()
             self._insert_round(r)
         self._device_rows = []
 
@@ -188,10 +192,29 @@ class Store:
                                   json.dumps(metrics) if metrics is not None else None, time.time()))
 
     def record_presence(self, device: str, online: bool, profile: dict[str, Any]) -> None:
-        self.db.execute("INSERT INTO presence VALUES (?,?,?,?) ON CONFLICT(device) DO UPDATE SET "
-                        "online = excluded.online, last_seen = excluded.last_seen, "
-                        "profile = COALESCE(excluded.profile, presence.profile)",
-                        (device, int(online), time.time(), json.dumps(profile) if profile else None))
+        """Buffered (the latest status per device); written by `flush_presence`, which the
+        coordinator calls from its drain loop, by `record_round`, and by `close`."""
+        row = (device, int(online), time.time(), json.dumps(profile) if profile else None)
+        earlier = self._presence.get(device)
+        if row[3] is None and earlier is not None:  # an offline status keeps the last known profile
+            row = (*row[:3], earlier[3])
+        if not self._presence:
+            self._presence_since = time.monotonic()
+        self._presence[device] = row
+
+    def flush_presence(self, older_than: float = 0.0) -> None:
+        """Write the buffered statuses in one transaction, once the oldest has waited `older_than` s."""
+        if not self._presence or time.monotonic() - self._presence_since < older_than:
+            return
+        with self.db:
+            self.db.execute("BEGIN")
+            self._write_presence()
+
+    def _write_presence(self) -> None:
+        self.db.executemany("INSERT INTO presence VALUES (?,?,?,?) ON CONFLICT(device) DO UPDATE SET "
+                            "online = excluded.online, last_seen = excluded.last_seen, "
+                            "profile = COALESCE(excluded.profile, presence.profile)", list(self._presence.values()))
+        self._presence = {}
 
     def rounds(self) -> list[dict[str, Any]]:
         cursor = self.db.execute("SELECT * FROM rounds ORDER BY id")
@@ -199,6 +222,7 @@ class Store:
         return [dict(zip(names, row)) for row in cursor.fetchall()]
 
     def devices(self) -> list[dict[str, Any]]:
+        self.flush_presence()
         cursor = self.db.execute(
             "SELECT p.device, p.online, p.last_seen, p.profile, "
             "(SELECT COUNT(*) FROM device_rounds d WHERE d.device = p.device AND d.accepted = 1) AS rounds "
@@ -207,6 +231,7 @@ class Store:
         return [dict(zip(names, row)) for row in cursor.fetchall()]
 
     def close(self) -> None:
+        self.flush_presence()  # the last state of every device survives a shutdown
         self.db.close()
 
 

@@ -36,7 +36,7 @@ from .partials import (SiteTask, TreeSum, all_site_topics, decode_partial, encod
                        parse_site_topic, site_topic)
 from .rounds import Round, RoundState
 from .store import model_sha256
-from .site_aggregator import TRUST_RULES
+from .site_aggregator import site_rules
 from .sites import partial_allowance
 
 log = logging.getLogger("broker_coordinator")
@@ -157,7 +157,7 @@ class TreeCoordinator(Coordinator):
                              s.task_hparams(round_no), self.server_rule.broadcast(), s.codec, attempt,
                              self.objective.task, self.objective.loss,
                              evaluate=self.evaluate_devices or not rnd.train, train=rnd.train)
-        rules = {name: getattr(s, name) for name in TRUST_RULES}
+        rules = site_rules(s)
         center_specs, center = encode_center(self.center if s.aggregator == "centered_clip" else None)
         payload = messages.encode("task", task)
         assert self.session is not None

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 import ssl
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from edgefl_protocol import enrollment as proto
 from edgefl_protocol import topics
+from edgefl_protocol.persist import atomic_write
 from edgefl_protocol.settings import to_toml
 from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 
@@ -75,8 +75,7 @@ def fetch_ca(token: proto.EnrollmentToken, ca_file: Path | None, dest: Path) -> 
         raise EnrollError(f"the certificate from {source} does not match the token's CA fingerprint: "
                           "pass the CA that signed the broker's certificate with --ca-file PATH")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(pem)
-    os.chmod(dest, 0o644)  # public; the service user must read it
+    atomic_write(dest, pem, 0o644)  # public; the service user must read it
     return dest
 
 
@@ -220,13 +219,8 @@ def enroll(token_text: str, config_path: Path = DEFAULT_CONFIG, data: str | None
                    "data": data or str(Path(state_dir) / "data.npz"), "state_dir": state_dir,
                    "signing_key": token.signing_key},
     }
-    tmp = config_path.with_name(f".{config_path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write("# Written by 'edge-agent enroll'. Holds this device's broker password and signing key.\n")
-        handle.write(to_toml(sections))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, config_path)
+    atomic_write(config_path, "# Written by 'edge-agent enroll'. Holds this device's broker password and signing "
+                 "key.\n" + to_toml(sections), 0o600)
 
     _verify(token.host, token.port, token.device, new_password, ca, within=15)
     return Enrolled(token.device, token.federation, token.host, token.port, token.tls, config_path)

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgefl_protocol.persist import atomic_write
+
 UNIT_NAME = "edge-agent.service"
 # systemd/ of the source tree (an editable install), else the copy the wheel installs (pyproject's data-files)
 _SOURCE_UNIT = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
@@ -88,8 +90,7 @@ def install(config: Path, memory_max: str, dry_run: bool, dest: Path = UNIT_DEST
         return 1, f"{config} does not exist: enroll first with 'sudo edge-agent enroll TOKEN'"
     if shutil.which("systemctl") is None or not Path("/run/systemd/system").is_dir():
         return 1, "systemd is not running on this machine; start the agent with 'edge-agent run --config ...' instead"
-    dest.write_text(p.unit_text)
-    os.chmod(dest, 0o644)
+    atomic_write(dest, p.unit_text, 0o644)
     for command in p.commands:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:

@@ -1,12 +1,15 @@
 """Crash-safe files: atomic replace with fsync, and msgpack that carries numpy arrays.
 
-Used for the agent's device state and the coordinator's checkpoints: after a
+Every state, credential and config file the agent and the coordinator write
+goes through `atomic_write` (device state, checkpoints, the agents' configs,
+the broker's password, ACL and config files, key files, unit files): after a
 crash a file is either the old version or the new one, never a torn mix.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +17,28 @@ import msgpack
 import numpy as np
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def atomic_write(path: Path | str, data: bytes | str, mode: int = 0o600,
+                 owner: tuple[int, int] | None = None) -> None:
+    """Replace `path` by `data` so that after a crash it is the old file or the new one, never a
+    torn mix: a temp file beside it, unique (two writers at once do not share one), given `mode`
+    (whatever the umask) and `owner` (uid, gid) before it holds anything, written, fsynced, renamed
+    over `path`, and the directory fsynced. A failed write leaves no temp file behind."""
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode()
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)
+            if owner is not None:
+                os.fchown(handle.fileno(), *owner)
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

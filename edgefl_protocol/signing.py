@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import tomllib
 from pathlib import Path
 
 from .errors import Rejected
+from .persist import atomic_write
 
 MAGIC = b"EFS1"
 TAG_BYTES = 32
@@ -66,9 +66,7 @@ def write_key_file(path: Path | str, keys: dict[str, bytes]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(f'"{device}" = "{key.hex()}"\n' for device, key in sorted(keys.items()))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
+    atomic_write(path, text, 0o600)
 
 
 def sign(payload: bytes, key: bytes) -> bytes:

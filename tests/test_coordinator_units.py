@@ -265,3 +265,57 @@ def test_an_inflated_sample_count_does_not_buy_the_round(tmp_path):
     c._on_update(rnd, "d1", _update_for(c, "d1", num_samples=2**62), time.time())
     c._on_update(rnd, "d2", _update_for(c, "d2", num_samples=100), time.time())
     assert rnd.device_metrics["d1"]["weight"] == 200.0 and rnd.weights_clipped == 1
+
+
+def test_presence_is_written_once_per_drain_tick_and_flushed_on_close(tmp_path):
+    """A reconnect delivers every device's retained status at once: the store writes them in one
+    transaction when the inbox goes quiet (the old code autocommitted one write per status), and
+    a status still buffered at shutdown is written by close."""
+    from broker_coordinator.store import Store
+    from edgefl_protocol import messages, topics
+
+    c, _ = _coordinator_and_round(tmp_path)
+    transactions, open_tx = [], [False]
+
+    def trace(sql: str) -> None:
+        word = sql.lstrip().split(None, 1)[0].upper()
+        if word == "BEGIN":
+            open_tx[0] = True
+            transactions.append(sql)
+        elif word in ("COMMIT", "ROLLBACK"):
+            open_tx[0] = False
+        elif word in ("INSERT", "UPDATE", "DELETE") and not open_tx[0]:
+            transactions.append(sql)  # an autocommitted write is a transaction of its own
+
+    c.store.db.set_trace_callback(trace)
+    for i in range(50):
+        status = messages.Status(f"dev-{i}", "online", {"busy": False})
+        c.inbox.put((topics.status("u", f"dev-{i}"), messages.encode("status", status), time.time(), True))
+    while not c.inbox.empty():
+        c._drain(0.0)
+    assert not transactions  # buffered while the statuses keep coming
+    c._drain(0.0)  # the inbox is quiet: one transaction
+    assert len(transactions) == 1 and len(c.store.devices()) == 50
+    offline = messages.Status("dev-3", "offline")
+    c.inbox.put((topics.status("u", "dev-3"), messages.encode("status", offline), time.time(), False))
+    c._drain(0.0)
+    c.store.close()  # shutdown before the next quiet tick
+    rows = {d["device"]: d for d in Store(tmp_path).devices()}
+    assert rows["dev-3"]["online"] == 0 and rows["dev-3"]["profile"]  # the last state, its profile kept
+    assert len(rows) == 50 and all(rows[f"dev-{i}"]["online"] for i in range(50) if i != 3)
+
+
+@pytest.mark.parametrize("bound", [0.0, 1e6])
+def test_an_updates_norm_is_computed_once_with_or_without_a_hard_bound(tmp_path, monkeypatch, bound):
+    """Intake's hard bound needs the delta's norm, and so does the robust fold: it is computed once
+    and handed on (the old code computed it in intake.py and again in RobustRound.add)."""
+    from broker_coordinator import intake, robust
+
+    c, rnd = _coordinator_and_round(tmp_path)
+    c.settings.max_update_norm = bound
+    norms, real = [], robust.l2_norm
+    counted = lambda tensors: norms.append(real(tensors)) or norms[-1]  # noqa: E731
+    monkeypatch.setattr(intake, "l2_norm", counted)
+    monkeypatch.setattr(robust, "l2_norm", counted)
+    c._on_update(rnd, "d1", _update(c), time.time())
+    assert rnd.aggregate.count == 1 and len(norms) == 1

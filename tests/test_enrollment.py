@@ -227,6 +227,35 @@ def test_registry_states_and_admission(tmp_path):
         registry.add("a", "f", "$7$hash", "00" * 32, "tok", time.time() + 60)
 
 
+def test_admission_costs_no_connect_and_sees_a_revocation_from_another_process(tmp_path, monkeypatch):
+    """Admission is asked on every update: it keeps one connection and re-reads the devices only when
+    the database changed, so `devices revoke` (another process, another connection) still counts at
+    the next update."""
+    import sqlite3
+
+    from broker_coordinator import registry as registry_module
+    from broker_coordinator.store import Store
+
+    registry = Registry(tmp_path / "coordinator.db")
+    for name in ("a", "b"):
+        registry.add(name, "f", "$7$hash", "00" * 32, f"tok-{name}", time.time() + 60)
+        registry.activate(name, f"tok-{name}", "$7$new")
+    connects = []
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(registry_module.sqlite3, "connect", lambda *a, **k: connects.append(a) or real_connect(*a, **k))
+    assert all(registry.admission(d) is None for _ in range(200) for d in ("a", "b"))
+    assert len(connects) == 1  # the kept reader; the old code connected on every call (400)
+    store = Store(tmp_path)  # the round store shares the file and commits beside it
+    store.record_presence("a", True, {})
+    store.close()
+    assert registry.admission("a") is None
+    monkeypatch.setattr(registry_module.sqlite3, "connect", real_connect)
+    Registry(tmp_path / "coordinator.db").revoke("b")  # what the CLI does, on its own connection
+    assert registry.admission("b")[0] == "revoked" and registry.admission("a") is None
+    registry.close()
+    assert registry.admission("b")[0] == "revoked"  # reopened after close
+
+
 # the CLIs' bad input: one line, non-zero, no traceback ---------------------------------------
 @pytest.fixture
 def coordinator_cli(capsys):

@@ -18,7 +18,7 @@ import pytest
 from broker_coordinator.broker import COORDINATOR_USER
 from broker_coordinator.coordinator import Coordinator, RoundSettings
 from broker_coordinator.local_sites import LocalSites
-from broker_coordinator.partials import SiteTask, decode_partial, encode_center, encode_partial
+from broker_coordinator.partials import SiteTask, decode_partial, encode_center, encode_partial, encode_site_task
 from broker_coordinator.site_aggregator import SiteWorker
 from broker_coordinator.tree import SiteSpec, TreeCoordinator, quotas
 from edgefl_protocol import codec, messages, signing, topics
@@ -187,6 +187,71 @@ def test_partials_are_validated_like_updates(digits):
     rnd_tree = tree._open_round(2, 1, {"north/0"}, time.time() + 60, 1)
     tree._on_partial(rnd_tree, "north", encode_partial(worker.partial(rnd), key))
     assert tree.rejections["stale"] == 1 and not rnd_tree.answered
+
+
+class PublishedTo:
+    """A site worker's session that records what it would publish (no broker)."""
+
+    def __init__(self) -> None:
+        self.retained: dict[str, bytes] = {}
+        self.tasked: list[str] = []
+
+    def publish_until(self, topic: str, payload: bytes, deadline: float, qos: int = 1, retain: bool = False) -> bool:
+        self.retained[topic] = payload
+        return True
+
+    def publish_all(self, messages: list, deadline: float, qos: int = 1) -> list[str]:
+        self.tasked += [topic.split("/")[3] for topic, _ in messages]
+        return []
+
+
+@pytest.mark.parametrize("policy", ["stability", "random"])
+def test_a_site_selects_its_cohort_with_the_rounds_selection_policy(policy):
+    """The site task carries the round's `selection`; the site's leader draws its cohort with it from
+    its eligible devices and their last metrics, as `select` would (the old worker always drew at
+    random, whatever the coordinator was configured with)."""
+    import random
+
+    from broker_coordinator.selection import is_stable, select
+    from broker_coordinator.site_aggregator import site_rules
+
+    rules = site_rules(RoundSettings(selection=policy, aggregator="mean"))
+    assert rules["selection"] == policy and rules["aggregator"] == "mean"
+    worker = SiteWorker(FED, "north", ARCH, signing.new_key(), {}, seed=5)
+    worker.session = PublishedTo()  # type: ignore[assignment]
+    devices = [f"north-{i}" for i in range(12)]
+    for device in devices:
+        worker._on_status(device, messages.encode("status", messages.Status(device, "online", {"busy": False})))
+    # eight devices whose last update was unstable (tau high, gamma low), four stable ones
+    worker.last_metrics = {d: {"tau": 0.5, "gamma": 0.2} if i < 8 else {"tau": 0.05, "gamma": 0.9}
+                           for i, d in enumerate(devices)}
+    task = messages.Task(1, 0, time.time() + 60, "drsam", {}, {}, "float32", 1)
+    worker._on_site_task(encode_site_task(SiteTask(1, 1, 6, messages.encode("task", task), rules)))
+
+    cohort = msgpack.unpackb(worker.session.retained[f"edgefl/{FED}/site/north/cohort"])["devices"]
+    expected = select(policy, devices, 6, random.Random("5/north"), worker.last_metrics)
+    assert cohort == sorted(expected) == sorted(worker.session.tasked)
+    if policy == "stability":  # half drawn uniformly, the rest from the stable devices first
+        assert sum(is_stable(worker.last_metrics[d]) for d in cohort) >= 3
+        assert cohort != select("random", devices, 6, random.Random("5/north"), worker.last_metrics)
+    assert all(worker.pending_round[d] == 1 for d in cohort)
+
+
+def test_a_site_task_naming_an_unknown_selection_selects_at_random(caplog):
+    import random
+
+    from broker_coordinator.selection import select
+
+    worker = SiteWorker(FED, "north", ARCH, signing.new_key(), {}, seed=5)
+    worker.session = PublishedTo()  # type: ignore[assignment]
+    devices = [f"north-{i}" for i in range(6)]
+    for device in devices:
+        worker._on_status(device, messages.encode("status", messages.Status(device, "online", {"busy": False})))
+    task = messages.Task(1, 0, time.time() + 60, "fedavg", {}, {}, "float32", 1)
+    with caplog.at_level("ERROR"):
+        worker._on_site_task(encode_site_task(SiteTask(1, 1, 3, messages.encode("task", task), {"selection": "best"})))
+    assert any("selection 'best'" in r.getMessage() for r in caplog.records)
+    assert sorted(worker.session.tasked) == select("random", devices, 3, random.Random("5/north"), {})
 
 
 def test_quotas_split_clients_over_sites_in_proportion():
