@@ -77,7 +77,8 @@ DRILL_ROUNDS = {"local_epochs": 3, "min_updates": 2, "round_timeout": 25, "max_a
 
 
 def drill(seed: int, rounds: int, workdir: Path) -> dict:
-    from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker
+    from broker_coordinator.broker import COORDINATOR_USER
+    from broker_coordinator.private_broker import PrivateBroker
     from broker_coordinator.processes import stop_processes
     from broker_coordinator.simulate import PROJECT_ROOT
     from edgefl_protocol import signing

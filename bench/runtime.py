@@ -37,7 +37,8 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker  # noqa: E402
+from broker_coordinator.broker import COORDINATOR_USER  # noqa: E402
+from broker_coordinator.private_broker import PrivateBroker  # noqa: E402
 from broker_coordinator.coordinator import Coordinator, RoundSettings  # noqa: E402
 from broker_coordinator.rounds import RoundState  # noqa: E402
 from broker_coordinator.processes import stop_processes  # noqa: E402

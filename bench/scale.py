@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 from bench.crowd import device_key  # noqa: E402
 from bench.runtime import RssSampler  # noqa: E402
 from bench import provenance  # noqa: E402
-from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker  # noqa: E402
+from broker_coordinator.broker import COORDINATOR_USER  # noqa: E402
+from broker_coordinator.private_broker import PrivateBroker  # noqa: E402
 from broker_coordinator.local_sites import LocalSites  # noqa: E402
 from broker_coordinator.processes import stop_processes  # noqa: E402
 from edgefl_protocol import signing  # noqa: E402
@@ -143,7 +144,8 @@ def flat_run(workdir: Path, devices: list[str], participants: int, rounds: int, 
 
 def tree_run(workdir: Path, devices: list[str], sites: int, participants: list[int], rounds: int, body: Path,
              timeout: float, fetch: bool) -> dict:
-    from broker_coordinator.sites import SiteSettings, aggregator_toml
+    from broker_coordinator.site_settings import SiteSettings
+    from broker_coordinator.sites import aggregator_toml
     names_of = [f"site{i}" for i in range(sites)]
     where = {s: devices[i::sites] for i, s in enumerate(names_of)}
     sys_password = signing.new_key().hex()

@@ -72,7 +72,7 @@ def _name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from edgefl_protocol import algorithms  # imports torch: only when a command needs it
 
-    from .coordinator import RoundSettings
+    from .round_settings import RoundSettings
     defaults = RoundSettings()  # simulate's defaults are the runtime's (README: "Field benchmark")
 
     parser = argparse.ArgumentParser(
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay, e.g. 0.75; 0 = the last global model")
-    from .robust import AGGREGATORS
+    from .choices import AGGREGATORS
     sim.add_argument("--aggregator", choices=AGGREGATORS, default=defaults.aggregator,
                      help="the robust fold (broker_coordinator/robust.py); centered_clip and mean stream and run "
                           "in sites too")
@@ -246,7 +246,7 @@ def round_settings(args: argparse.Namespace, given: set[str]):  # noqa: ANN201 (
     """RoundSettings from --config's [rounds] (if any) with the given flags over it, else from the flags."""
     from edgefl_protocol.settings import build_section, read_toml
 
-    from .coordinator import RoundSettings
+    from .round_settings import RoundSettings
     flags = {key: (dict(getattr(args, dest)) if dest == "hparam" else getattr(args, dest))
              for dest, key in ROUND_FLAGS.items() if dest in given or not args.config}
     if flags.get("codec") is None:

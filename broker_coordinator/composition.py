@@ -18,12 +18,10 @@ from typing import TYPE_CHECKING
 
 from edgefl_protocol import algorithms
 
-from .robust import STREAMING
+from .choices import STREAMING, TOPOLOGIES
 
 if TYPE_CHECKING:
     from .round_settings import RoundSettings
-
-TOPOLOGIES = ("flat", "sites")
 
 
 @dataclass(frozen=True)

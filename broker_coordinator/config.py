@@ -74,7 +74,7 @@ from edgefl_protocol import topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
 
 from . import composition
-from .sites import SiteSettings
+from .site_settings import SiteSettings
 
 ENV_PREFIX = "EDGEFL_COORDINATOR"
 DEFAULT_PATH = Path("/etc/edgefl/coordinator.toml")
@@ -216,7 +216,7 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
     if with_rounds:
         from models.architectures import ModelError, resolve
 
-        from .coordinator import RoundSettings
+        from .round_settings import RoundSettings
         try:
             resolve(federation.model)
         except ModelError as exc:

@@ -31,7 +31,7 @@ def federation_update_cap(arch: str, rounds: Any = None) -> int:
     from edgefl_protocol import algorithms, codec
     from models.architectures import build_model, get_weights
 
-    from .coordinator import RoundSettings
+    from .round_settings import RoundSettings
     settings = rounds if rounds is not None else RoundSettings()
     specs = codec.specs_of(get_weights(build_model(arch)))
     extra = algorithms.get(settings.algorithm).server(settings.task_hparams(1)).extra_specs(specs)

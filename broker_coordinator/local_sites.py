@@ -9,7 +9,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .broker import COORDINATOR_USER, PrivateBroker
+from .broker import COORDINATOR_USER
+from .private_broker import PrivateBroker
 from .sites import (bridge_password, central_users, render_bridge, render_central_acl, render_worker_acl,
                     site_key, worker_password, worker_user)
 

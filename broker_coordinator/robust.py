@@ -42,11 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .aggregation import StreamingMean
+from .choices import AGGREGATORS, DEFAULT_AGGREGATOR, STREAMING
 from .trust import NormBound
 
-AGGREGATORS = ("centered_clip", "mean", "gated_mean", "trimmed_mean", "median")
-STREAMING = ("centered_clip", "mean")  # judge each update as it arrives; O(model); run at sites too
-DEFAULT_AGGREGATOR = "centered_clip"
 
 
 @dataclass

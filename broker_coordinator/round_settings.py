@@ -11,13 +11,8 @@ from edgefl_protocol.errors import Rejected
 from edgefl_protocol.task_limits import check_training
 
 from . import composition
-from .robust import AGGREGATORS, DEFAULT_AGGREGATOR
-from .selection import POLICIES
-from .staleness import check_buffered
-from .trust import WEIGHTINGS
-
-EVALUATE_MODES = ("auto", "central", "devices", "both")
-MODES = ("sync", "buffered")
+from .choices import (AGGREGATORS, DEFAULT_AGGREGATOR, EVALUATE_MODES, MODES, POLICIES, STALENESS_WEIGHTS,
+                      WEIGHTINGS)
 
 
 @dataclass
@@ -163,3 +158,24 @@ class RoundRecord:
     kind: str = "train"  # "train", or "evaluate" for an evaluation-only round
     bytes_down: int = 0  # model bytes the participants report receiving since their last update
     global_score: float | None = None  # downlink = "delta": `score` of the server rule's G (`score` is B's)
+
+
+def served_algorithms() -> list[str]:
+    """Algorithms whose server rule (with default hyper-parameters) can fold stale updates."""
+    return sorted(name for name, a in algorithms.ALGORITHMS.items()
+                  if not a.server(dict(a.defaults)).asynchronous_refusal())
+
+
+def check_buffered(settings: RoundSettings) -> None:
+    """The ranges of [rounds] keys of mode = "buffered"; a ValueError names the key at fault. What
+    buffered mode runs together with is `composition`'s to say."""
+    checks = [
+        (settings.buffer_size >= 1, "buffer_size must be >= 1 (accepted updates per applied version)"),
+        (settings.max_staleness >= 0, "max_staleness must be >= 0 (versions an update may lag behind; "
+                                      "0 accepts only updates trained on the current version)"),
+        (settings.staleness_weight in STALENESS_WEIGHTS,
+         f"staleness_weight must be one of {', '.join(STALENESS_WEIGHTS)}, got {settings.staleness_weight!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

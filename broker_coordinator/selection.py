@@ -16,7 +16,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-POLICIES = ("random", "stability")
+from .choices import POLICIES  # noqa: F401 (the policies this module implements)
+
 STABLE_TAU, STABLE_GAMMA = 0.15, 0.7
 
 

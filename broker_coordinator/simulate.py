@@ -27,7 +27,8 @@ from models import datasets, partition
 from models.objectives import Objective
 
 from . import composition, fleet
-from .broker import COORDINATOR_USER, PrivateBroker
+from .broker import COORDINATOR_USER
+from .private_broker import PrivateBroker
 from .buffered import coordinator_class
 from .coordinator import RoundSettings, record_dict
 from .metrics import Metrics

@@ -27,16 +27,15 @@ coordinator's config is the one secret to keep; the site's files hold only what 
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import hmac
-from dataclasses import dataclass
 from pathlib import Path
 
 from edgefl_protocol import topics
 from edgefl_protocol.settings import to_toml
 
 from .broker import render_acl, render_config
+from .site_settings import SiteSettings
 
 SHARE_GROUP = "edgefl"
 OBSERVED_ROW_BYTES = 512  # a partial's allowance per device row (rules that keep per-device state)
@@ -47,41 +46,6 @@ def partial_allowance() -> int:
     """Bytes a partial may carry beyond an update's cap: its per-device rows. Brokers carrying
     partials raise their max_packet_size by this much."""
     return OBSERVED_ROW_BYTES * MAX_SITE_DEVICES
-
-
-@dataclass
-class SiteSettings:
-    """One `[sites.NAME]` table of the coordinator's config."""
-
-    name: str
-    devices: str  # comma-separated glob patterns over device ids, e.g. "north-*,pi-07"
-    workers: int = 1  # aggregator processes sharing the site's updates ($share)
-    host: str = "127.0.0.1"  # where the site's devices and workers reach the site broker
-    port: int = 1883  # the site broker's listener
-    bind: str = ""  # "" = all interfaces
-    bridge_tls: str = "auto"  # auto (TLS when the central broker has TLS) | on | off
-    bridge_cafile: str = ""  # CA of the central broker's certificate; "" = [broker] tls_ca or tls_cert
-    out_dir: str = ""  # where broker-config --site writes; "" = /etc/edgefl/sites/<name>
-    run_as: str = ""  # the site Mosquitto's `user` when started as root; "" = its default (mosquitto),
-    # which must be able to read the written files (they are owned like their directory)
-
-    def validate(self) -> None:
-        topics.check_name("site", self.name)
-        if not self.patterns:
-            raise ValueError("devices must name at least one glob pattern, e.g. \"north-*\"")
-        if not 1 <= self.workers <= 64:
-            raise ValueError(f"workers must be 1-64, got {self.workers}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be 1-65535, got {self.port}")
-        if self.bridge_tls not in ("auto", "on", "off"):
-            raise ValueError(f"bridge_tls must be auto, on or off, got {self.bridge_tls!r}")
-
-    @property
-    def patterns(self) -> list[str]:
-        return [p.strip() for p in self.devices.split(",") if p.strip()]
-
-    def holds(self, device: str) -> bool:
-        return any(fnmatch.fnmatchcase(device, p) for p in self.patterns)
 
 
 def bridge_user(site: str) -> str:

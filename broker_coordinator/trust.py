@@ -28,7 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-WEIGHTINGS = ("capped", "uniform", "reported")
+from .choices import WEIGHTINGS
+
 MIN_KNOWN = 3  # devices with a trusted count before counts are used as weights
 
 

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from broker_coordinator.broker import BrokerError, PrivateBroker, hash_password
+from broker_coordinator.broker import BrokerError, hash_password
+from broker_coordinator.private_broker import PrivateBroker
 from edgefl_protocol import topics
 from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 

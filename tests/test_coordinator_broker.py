@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker
+from broker_coordinator.broker import COORDINATOR_USER
+from broker_coordinator.private_broker import PrivateBroker
 from broker_coordinator.coordinator import Coordinator, RoundFailed, RoundSettings
 from edgefl_protocol import codec, messages, signing, topics
 from models import datasets

@@ -13,7 +13,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER, PrivateBroker, free_port
+from broker_coordinator.broker import COORDINATOR_USER, free_port
+from broker_coordinator.private_broker import PrivateBroker
 from broker_coordinator.coordinator import Coordinator, RoundSettings
 from broker_coordinator.rounds import RoundState
 from broker_coordinator.store import Store
