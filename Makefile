@@ -24,7 +24,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 
 # the demo's emulated fleet: each agent under a CPU quota and memory limit of its device class
-# (broker_coordinator/fleet.py); without root, simulate says what is missing and runs without
+# (broker_coordinator/simulation/fleet.py); without root, simulate says what is missing and runs without
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 SCALE_ARGS ?=

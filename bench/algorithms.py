@@ -84,7 +84,7 @@ class Job:
 
 
 def run_job(job: Job) -> dict:
-    from broker_coordinator.coordinator import RoundSettings
+    from broker_coordinator.engine.coordinator import RoundSettings
 
     from . import fedsim, settings
 

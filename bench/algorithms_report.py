@@ -113,7 +113,7 @@ FEDSIM = {"aggregator": "mean", "weighting": "reported", "norm_bound": 0.0, "cod
 
 
 def measured_with(schema: dict) -> dict:
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     shared = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in ("algorithm", "momentum")}
     return provenance.measured_with(
         provenance.invoked(), {**shared, **FEDSIM}, varies={"algorithm": "per row", "momentum": [0.0, 0.9]},

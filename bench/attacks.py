@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -46,9 +46,9 @@ import time
 import zlib
 from pathlib import Path
 
-from . import provenance
-
 import numpy as np
+
+from . import provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "attacks_runs"
@@ -80,8 +80,13 @@ def run_one(attack: str, fraction: float, aggregation: str, seed: int, rounds: i
     import torch
 
     from bench.settings import headline
-    from broker_coordinator.coordinator import Coordinator, RoundFailed, RoundSettings
-    from broker_coordinator.selection import select
+    from broker_coordinator.engine.coordinator import (
+        Coordinator,
+        RoundFailed,
+        RoundSettings,
+    )
+    from broker_coordinator.engine.selection import select
+    from broker_coordinator.simulation.in_memory import fold_round
     from edge_agent.agent import local_settings
     from edge_agent.training import train_locally
     from edgefl_protocol import algorithms, codec, messages, signing
@@ -140,7 +145,7 @@ def run_one(attack: str, fraction: float, aggregation: str, seed: int, rounds: i
                                      encoded.codec, encoded.specs, "bench", 1)
             answers[device] = messages.encode_update(update, keys[device])
         try:
-            record = coordinator.fold_round(answers, round_no)
+            record = fold_round(coordinator, answers, round_no)
             accuracy.append(record.accuracy)
             clipped += record.clipped.get("norm", 0)
         except RoundFailed:
@@ -208,7 +213,7 @@ def report(rounds: int, seed: int) -> dict:
     for (attack, fraction, aggregation), r in sorted(runs.items()):
         if attack != "clean":
             out["runs"].setdefault(f"{attack}@{fraction:g}", {})[aggregation] = r["final_accuracy"]
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     shared = {k: v for k, v in provenance.deciding(RoundSettings(**MEASURED_WITH)).items()
               if k not in ("aggregator", "weighting", "norm_bound")}
     out["measured_with"] = provenance.measured_with(

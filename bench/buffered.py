@@ -153,7 +153,7 @@ def report(seeds: list[int]) -> dict:
                  "max_staleness": STALENESS, "staleness_weight": "inverse_sqrt", "sync_rounds": SYNC_ROUNDS,
                  "algorithm": "fedavg", "data": "mnist5k dirichlet:0.3", "local_epochs": 1},
     }
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     result["measured_with"] = provenance.measured_with(
         provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg", local_epochs=1))
                                .items() if k != "mode"},

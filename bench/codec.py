@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from broker_coordinator.aggregation import StreamingMean  # noqa: E402
-from broker_coordinator.evaluation import evaluate  # noqa: E402
+from broker_coordinator.aggregation.streaming import StreamingMean  # noqa: E402
+from broker_coordinator.reporting.evaluation import evaluate  # noqa: E402
 from edge_agent.training import LocalSettings, train_locally  # noqa: E402
 from edgefl_protocol import algorithms, codec, messages  # noqa: E402
 from bench import provenance  # noqa: E402
@@ -340,7 +340,7 @@ def main() -> None:
         "codecs": rows, "flower": FLOWER, "zstd": zstd, "zstd_verdict": verdict,
         "default": default, "default_reason": reason,
     }
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     report["measured_with"] = provenance.measured_with(
         report["command"], {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg")).items()
                             if k not in ("codec", "aggregator", "weighting", "norm_bound")},

@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from broker_coordinator import composition
-from broker_coordinator.robust import DEFAULT_AGGREGATOR
-from broker_coordinator.round_settings import RoundSettings
+from broker_coordinator.settings import composition
+from broker_coordinator.aggregation.robust import DEFAULT_AGGREGATOR
+from broker_coordinator.settings.round_settings import RoundSettings
 
 from . import provenance
 
@@ -103,7 +103,7 @@ def untrained_score(arch: str, seed: int) -> float:
 
 def run_cell(cell: Cell, workdir: Path, agents: int = AGENTS, versions: int = VERSIONS, seed: int = 0) -> dict:
     """Run one cell through `simulate`; its record (ok, first/final score, detail)."""
-    from broker_coordinator.simulate import SimulationSpec, simulate
+    from broker_coordinator.simulation.simulate import SimulationSpec, simulate
 
     spec = SimulationSpec(agents=agents, rounds=versions, dataset="digits", seed=seed, out=workdir,
                           federation="comp", sites=SITES if cell.topology == "sites" else 0)

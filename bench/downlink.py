@@ -69,7 +69,7 @@ def row_name(mode: str, codec: str | None) -> str:
 
 def run_one(mode: str, seed: int, rounds: int, codec: str | None = None) -> dict:
     """One simulate run (cached); a delta run names its codec (default: RoundSettings')."""
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     codec = None if mode == "full" else codec or RoundSettings().downlink_codec
     row = row_name(mode, codec)
     path = RUNS / row / f"seed{seed}_r{rounds}.json"
@@ -121,7 +121,7 @@ def run_stats(record: dict) -> dict:
 
 
 def report(rounds: int) -> dict:
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     runs = {row.name: {int(p.stem.split("_")[0][4:]): run_stats(json.loads(p.read_text()))
                        for p in sorted(row.glob(f"seed*_r{rounds}.json"))}
             for row in sorted(RUNS.iterdir()) if row.is_dir() and row.name != "logs"}

@@ -77,10 +77,10 @@ DRILL_ROUNDS = {"local_epochs": 3, "min_updates": 2, "round_timeout": 25, "max_a
 
 
 def drill(seed: int, rounds: int, workdir: Path) -> dict:
-    from broker_coordinator.broker import COORDINATOR_USER
-    from broker_coordinator.private_broker import PrivateBroker
-    from broker_coordinator.processes import stop_processes
-    from broker_coordinator.simulate import PROJECT_ROOT
+    from broker_coordinator.access.broker import COORDINATOR_USER
+    from broker_coordinator.simulation.private_broker import PrivateBroker
+    from broker_coordinator.simulation.processes import stop_processes
+    from broker_coordinator.simulation.simulate import PROJECT_ROOT
     from edgefl_protocol import signing
     from edgefl_protocol.settings import to_toml
     from models import datasets, partition
@@ -172,7 +172,7 @@ def drill(seed: int, rounds: int, workdir: Path) -> dict:
 
 def wait_rounds(state: Path, rounds: float, coordinator: subprocess.Popen, started: float) -> None:
     """Sleep for about `rounds` rounds of progress (at least a little), reading the checkpoint's round."""
-    from broker_coordinator.store import Store
+    from broker_coordinator.storage.store import Store
     store = Store(state, keep=0)
     try:
         first = _round(store)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="edgefl-drill-") as tmp:
         result = drill(args.seed, args.rounds, Path(tmp))
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     result["measured_with"] = provenance.measured_with(
         provenance.invoked(), provenance.deciding(RoundSettings(**DRILL_ROUNDS)), data="digits (digits_mlp)",
         partition="iid", seeds=[args.seed])

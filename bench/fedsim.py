@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker_coordinator.coordinator import RoundSettings
-from broker_coordinator.serving import ServedAverage
+from broker_coordinator.engine.coordinator import RoundSettings
+from broker_coordinator.aggregation.serving import ServedAverage
 from models.architectures import build_model, set_weights
 from models.datasets import Dataset
 from models.objectives import Objective

@@ -185,7 +185,7 @@ def mean(values: list[float]) -> float:
 
 def report(runs: Path, rounds: int, stem: str) -> dict:
     from edgefl_protocol import algorithms, codec
-    from broker_coordinator.coordinator import RoundSettings
+    from broker_coordinator.engine.coordinator import RoundSettings
     table = load_runs(runs, rounds)
     rows = {row: seeds for row, seeds in table.items() if "_" not in row}
     passes_ref = {opt: mean([s["passes"] for s in rows.get(f"fedavg+{opt}", {}).values()]) for opt in ("sgd", "momentum")}
@@ -314,7 +314,7 @@ def markdown(result: dict, details: dict) -> str:
         f"`python -m bench.field` (bench/field.py). Real `broker-coordinator simulate` processes: "
         f"{meta['agents']} agents on the partition `bench/data/{meta['partition']}` (MNIST-5k, Dirichlet 0.1), "
         f"{meta['clients_per_round']} per round, {meta['rounds']} rounds; fleet `{meta['fleet']}` (each agent "
-        f"under a cgroup CPU quota and memory limit, broker_coordinator/fleet.py), churn `{meta['churn']}`, "
+        f"under a cgroup CPU quota and memory limit, broker_coordinator/simulation/fleet.py), churn `{meta['churn']}`, "
         f"deadline {meta['deadline_s']:.0f} s, device-chosen epochs, uplink `{meta['uplink_codec']}`, downlink "
         f"`{meta['downlink_codec']}`. Accuracy in %, mean +- std over the seeds listed; a single seed is "
         "shown bare. \"passes\" is forward-backward passes per client-round relative to FedAvg with the same "

@@ -11,7 +11,7 @@ accepted, as the agent does on its receipt.
 
 What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
 against `round_timeout` at its emulated speed), and a device's speed is the host's calibrated
-throughput times its class's speed (`broker_coordinator.fleet.PROFILES`), measured once per process.
+throughput times its class's speed (`broker_coordinator.simulation.fleet.PROFILES`), measured once per process.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from broker_coordinator.coordinator import Coordinator, RoundFailed, RoundRecord
-from broker_coordinator.fleet import PROFILES
-from broker_coordinator.round_settings import RoundSettings
-from broker_coordinator.selection import select
+from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
+from broker_coordinator.engine.selection import select
+from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.simulation.fleet import PROFILES
+from broker_coordinator.simulation.in_memory import fold_round
 from edge_agent.agent import local_settings, owed
 from edge_agent.hardware import calibrate, plan_epochs
 from edge_agent.training import train_locally
@@ -98,7 +99,7 @@ class InMemoryFederation:
         hp = self.settings.task_hparams(round_no)
         trained = {device: self._train(device, round_no, hp) for device in cohort}
         try:
-            record = self.coordinator.fold_round({d: t.payload for d, t in trained.items()}, round_no)
+            record = fold_round(self.coordinator, {d: t.payload for d, t in trained.items()}, round_no)
         except RoundFailed:
             record = None
         for device, work in trained.items():

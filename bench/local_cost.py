@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from broker_coordinator.coordinator import RoundSettings
+from broker_coordinator.engine.coordinator import RoundSettings
 from edge_agent.agent import local_settings
 from edge_agent.training import train_locally
 from edgefl_protocol import algorithms

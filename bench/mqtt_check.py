@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from broker_coordinator.coordinator import RoundSettings
+from broker_coordinator.engine.coordinator import RoundSettings
 from models import datasets, partition
 
 from . import fedsim, provenance

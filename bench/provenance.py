@@ -15,8 +15,8 @@ with what ships today, key by key:
     local_epochs  the local-epoch policy: N fixed epochs, 0 = each device chooses
     codec         the uplink codec
     downlink      "full" or "delta"
-    aggregator    the coordinator's fold (broker_coordinator/robust.py)
-    weighting     what a device's sample count may weigh (broker_coordinator/trust.py)
+    aggregator    the coordinator's fold (broker_coordinator/aggregation/robust.py)
+    weighting     what a device's sample count may weigh (broker_coordinator/aggregation/trust.py)
     norm_bound    deltas clipped to this times the median recent norm; 0 = off
     mode          "sync" or "buffered"
     topology      "flat" or "sites"
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def defaults() -> dict[str, Any]:
     """The shipped defaults of the settings that decide a result, read from the code (never copied)."""
-    from broker_coordinator.config import CoordinatorConfig
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.config import CoordinatorConfig
+    from broker_coordinator.settings.round_settings import RoundSettings
 
     sites = CoordinatorConfig.__dataclass_fields__["sites"].default_factory()
     return deciding(RoundSettings(), "sites" if sites else "flat")

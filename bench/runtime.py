@@ -37,14 +37,14 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from broker_coordinator.broker import COORDINATOR_USER  # noqa: E402
-from broker_coordinator.private_broker import PrivateBroker  # noqa: E402
-from broker_coordinator.coordinator import Coordinator, RoundSettings  # noqa: E402
-from broker_coordinator.rounds import RoundState  # noqa: E402
-from broker_coordinator.processes import stop_processes  # noqa: E402
-from broker_coordinator.simulate import (SimulationSpec, prepare_shards, spawn_agent,  # noqa: E402
+from broker_coordinator.access.broker import COORDINATOR_USER  # noqa: E402
+from broker_coordinator.simulation.private_broker import PrivateBroker  # noqa: E402
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings  # noqa: E402
+from broker_coordinator.engine.rounds import RoundState  # noqa: E402
+from broker_coordinator.simulation.processes import stop_processes  # noqa: E402
+from broker_coordinator.simulation.simulate import (SimulationSpec, prepare_shards, spawn_agent,  # noqa: E402
                                          write_agent_config)
-from broker_coordinator.store import Store  # noqa: E402
+from broker_coordinator.storage.store import Store  # noqa: E402
 from edgefl_protocol import codec, signing  # noqa: E402
 from bench import provenance  # noqa: E402
 from models import datasets  # noqa: E402

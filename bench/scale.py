@@ -15,7 +15,7 @@ own process, so that its CPU time and RSS are its own.
     python -m bench.scale --report             # rebuild scale.json / .md (bytes_per_client_round) from the last run
 
 Both topologies fold with aggregator "mean" (the tree refuses the others, see
-broker_coordinator/site_aggregator.py) and algorithm fedavg, whose server rule keeps no
+broker_coordinator/engine/site_aggregator.py) and algorithm fedavg, whose server rule keeps no
 per-device state (a rule that does, e.g. dynsam, adds one row per device to each partial).
 """
 
@@ -42,10 +42,10 @@ import numpy as np  # noqa: E402
 from bench.crowd import device_key  # noqa: E402
 from bench.runtime import RssSampler  # noqa: E402
 from bench import provenance  # noqa: E402
-from broker_coordinator.broker import COORDINATOR_USER  # noqa: E402
-from broker_coordinator.private_broker import PrivateBroker  # noqa: E402
-from broker_coordinator.local_sites import LocalSites  # noqa: E402
-from broker_coordinator.processes import stop_processes  # noqa: E402
+from broker_coordinator.access.broker import COORDINATOR_USER  # noqa: E402
+from broker_coordinator.simulation.private_broker import PrivateBroker  # noqa: E402
+from broker_coordinator.simulation.local_sites import LocalSites  # noqa: E402
+from broker_coordinator.simulation.processes import stop_processes  # noqa: E402
 from edgefl_protocol import signing  # noqa: E402
 
 FED = "scale"
@@ -70,7 +70,7 @@ def raise_open_files(needed: int) -> int:
 
 
 def write_body(workdir: Path) -> Path:
-    from broker_coordinator.coordinator import RoundSettings
+    from broker_coordinator.engine.coordinator import RoundSettings
     from edgefl_protocol import codec
     from models.architectures import build_model, get_weights
     weights = get_weights(build_model("mnist_cnn"))
@@ -144,8 +144,8 @@ def flat_run(workdir: Path, devices: list[str], participants: int, rounds: int, 
 
 def tree_run(workdir: Path, devices: list[str], sites: int, participants: list[int], rounds: int, body: Path,
              timeout: float, fetch: bool) -> dict:
-    from broker_coordinator.site_settings import SiteSettings
-    from broker_coordinator.sites import aggregator_toml
+    from broker_coordinator.settings.site_settings import SiteSettings
+    from broker_coordinator.access.sites import aggregator_toml
     names_of = [f"site{i}" for i in range(sites)]
     where = {s: devices[i::sites] for i, s in enumerate(names_of)}
     sys_password = signing.new_key().hex()
@@ -218,9 +218,9 @@ class SysCounters:
 
 
 def coordinator_main(args: argparse.Namespace) -> None:
-    from broker_coordinator.coordinator import Coordinator, RoundSettings
-    from broker_coordinator.sites import site_key
-    from broker_coordinator.tree import SiteSpec, TreeCoordinator
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.access.sites import site_key
+    from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
     from models import datasets
     data = datasets.load("mnist5k")
     settings = RoundSettings(algorithm="fedavg", aggregator="mean", round_timeout=args.timeout, min_updates=1,
@@ -391,7 +391,7 @@ def main() -> int:
                     not args.tree_no_fetch)
     print(json.dumps(tree["phases"]), flush=True)
     out = report(flat, tree, args, time.time() - started)
-    from broker_coordinator.round_settings import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     out["measured_with"] = provenance.measured_with(
         provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg",
                                                                                   aggregator="mean")).items()

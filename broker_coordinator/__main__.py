@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from broker_coordinator.cli.cli import main
 
 sys.exit(main())

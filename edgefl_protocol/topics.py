@@ -10,7 +10,7 @@
     edgefl/<fed>/device/<id>/enroll   the device's enrollment request (see `enrollment`)
     edgefl/<fed>/device/<id>/enrolled the coordinator's answer to it
 
-The broker ACL (see broker_coordinator.broker) follows this layout with `%u`
+The broker ACL (see broker_coordinator.access.broker) follows this layout with `%u`
 patterns, so a device id is also its broker user name.
 """
 

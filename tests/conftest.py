@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import paho.mqtt.client as mqtt
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER
-from broker_coordinator.private_broker import PrivateBroker
+from broker_coordinator.access.broker import COORDINATOR_USER
+from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol.transport import connect, make_client
 
 FEDERATION = "test"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from broker_coordinator.private_broker import PrivateBroker
-from broker_coordinator.processes import stop_processes
+from broker_coordinator.simulation.private_broker import PrivateBroker
+from broker_coordinator.simulation.processes import stop_processes
 from edgefl_protocol import signing
 from edgefl_protocol.settings import to_toml
 from models import datasets, partition

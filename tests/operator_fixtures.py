@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_coordinator import devices as ops
-from broker_coordinator.broker import find_mosquitto, free_port, wait_for_port
-from broker_coordinator.config import CoordinatorConfig, load_config
-from broker_coordinator.enrollment import EnrollmentDesk
-from broker_coordinator.processes import stop_processes
+from broker_coordinator.access import devices as ops
+from broker_coordinator.access.broker import find_mosquitto, free_port, wait_for_port
+from broker_coordinator.settings.config import CoordinatorConfig, load_config
+from broker_coordinator.access.enrollment import EnrollmentDesk
+from broker_coordinator.simulation.processes import stop_processes
 from edgefl_protocol.transport import connect
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from broker_coordinator.broker import BrokerError, hash_password
-from broker_coordinator.private_broker import PrivateBroker
+from broker_coordinator.access.broker import BrokerError, hash_password
+from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol import topics
 from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 
@@ -67,9 +67,9 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
 
     import numpy as np
 
-    from broker_coordinator import limits
-    from broker_coordinator.config import load_config
-    from broker_coordinator.coordinator import Coordinator
+    from broker_coordinator.settings import limits
+    from broker_coordinator.settings.config import load_config
+    from broker_coordinator.engine.coordinator import Coordinator
     from models.datasets import Dataset
 
     from .conftest import Recorder

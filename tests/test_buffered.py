@@ -12,11 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from broker_coordinator.buffered import BufferedCoordinator, Ticket
-from broker_coordinator.coordinator import RoundSettings
-from broker_coordinator.rounds import RoundState
-from broker_coordinator.staleness import staleness_factor
-from broker_coordinator.store import Store
+from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
+from broker_coordinator.engine.coordinator import RoundSettings
+from broker_coordinator.engine.rounds import RoundState
+from broker_coordinator.aggregation.staleness import staleness_factor
+from broker_coordinator.storage.store import Store
 from edgefl_protocol import messages
 from edgefl_protocol.settings import ConfigError, build_section
 from models import datasets

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from broker_coordinator import composition
-from broker_coordinator.config import load_config
-from broker_coordinator.round_settings import RoundSettings
+from broker_coordinator.settings import composition
+from broker_coordinator.settings.config import load_config
+from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol.settings import ConfigError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md"

@@ -7,9 +7,14 @@ import time
 
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER
-from broker_coordinator.private_broker import PrivateBroker
-from broker_coordinator.coordinator import Coordinator, RoundFailed, RoundSettings
+from broker_coordinator.access.broker import COORDINATOR_USER
+from broker_coordinator.engine.coordinator import (
+    Coordinator,
+    RoundFailed,
+    RoundSettings,
+)
+from broker_coordinator.simulation.in_memory import fold_round
+from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol import codec, messages, signing, topics
 from models import datasets
 
@@ -143,5 +148,5 @@ def test_an_update_trained_on_another_model_of_the_same_version_is_rejected_with
     update = messages.Update("dev-0", 1, 0, 10, {"steps": 1, "model_sha": "cd" * 8}, encoded.body, "float32",
                              encoded.specs, FED, 1)
     with pytest.raises(RoundFailed, match="wrong_base"):
-        coordinator.fold_round({"dev-0": messages.encode_update(update, key)}, 1)
+        fold_round(coordinator, {"dev-0": messages.encode_update(update, key)}, 1)
     assert coordinator.rejections == {"wrong_base": 1}

@@ -4,10 +4,10 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation import StreamingMean
-from broker_coordinator.robust import RobustRound
-from broker_coordinator.rounds import Round, RoundState
-from broker_coordinator.selection import select
+from broker_coordinator.aggregation.streaming import StreamingMean
+from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.engine.rounds import Round, RoundState
+from broker_coordinator.engine.selection import select
 from edgefl_protocol.transport import backoff_delay
 
 SPECS = {"w": (3,)}
@@ -79,8 +79,8 @@ def test_backoff_grows_is_capped_and_jittered():
 
 
 def _coordinator_and_round(tmp_path, **settings):
-    from broker_coordinator.coordinator import Coordinator, RoundSettings
-    from broker_coordinator.store import Store
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.storage.store import Store
     from models import datasets
 
     c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32", **settings),
@@ -167,8 +167,8 @@ def test_wrong_federation_model_codec_and_norm_are_rejected_with_their_reason(tm
 
 
 def test_served_average_is_an_ema_of_global_models_and_survives_a_checkpoint(tmp_path):
-    from broker_coordinator.serving import ServedAverage
-    from broker_coordinator.store import Checkpoint, Store, model_sha256
+    from broker_coordinator.aggregation.serving import ServedAverage
+    from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
 
     served = ServedAverage({"w": np.zeros(2, np.float32)}, 0.75)
     served.update({"w": np.array([4.0, 8.0], np.float32)})
@@ -186,8 +186,8 @@ def test_served_average_is_an_ema_of_global_models_and_survives_a_checkpoint(tmp
 
 
 def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
-    from broker_coordinator.coordinator import Coordinator, RoundSettings
-    from broker_coordinator.store import Checkpoint, Store, model_sha256
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
     from models import datasets
 
     test = datasets.load("digits").test
@@ -271,7 +271,7 @@ def test_presence_is_written_once_per_drain_tick_and_flushed_on_close(tmp_path):
     """A reconnect delivers every device's retained status at once: the store writes them in one
     transaction when the inbox goes quiet (the old code autocommitted one write per status), and
     a status still buffered at shutdown is written by close."""
-    from broker_coordinator.store import Store
+    from broker_coordinator.storage.store import Store
     from edgefl_protocol import messages, topics
 
     c, _ = _coordinator_and_round(tmp_path)
@@ -309,7 +309,8 @@ def test_presence_is_written_once_per_drain_tick_and_flushed_on_close(tmp_path):
 def test_an_updates_norm_is_computed_once_with_or_without_a_hard_bound(tmp_path, monkeypatch, bound):
     """Intake's hard bound needs the delta's norm, and so does the robust fold: it is computed once
     and handed on (the old code computed it in intake.py and again in RobustRound.add)."""
-    from broker_coordinator import intake, robust
+    from broker_coordinator.engine import intake
+    from broker_coordinator.aggregation import robust
 
     c, rnd = _coordinator_and_round(tmp_path)
     c.settings.max_update_norm = bound

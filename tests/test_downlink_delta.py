@@ -10,8 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from broker_coordinator.round_settings import RoundSettings
-from broker_coordinator.store import Checkpoint, Store, model_sha256
+from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
 from edgefl_protocol import delta_downlink as dd
@@ -285,8 +285,8 @@ def test_devices_train_from_delta_reconstructed_models_that_match_the_server(tmp
 def test_the_broker_keeps_the_newest_model_and_the_last_chain_of_deltas_only(broker, mqtt_client):
     """Through a real Mosquitto: after five versions with downlink_chain = 2, a device finds retained
     exactly the newest manifest and its chunk, and the two newest deltas; older ones were cleared."""
-    from broker_coordinator.broker import COORDINATOR_USER
-    from broker_coordinator.coordinator import Coordinator
+    from broker_coordinator.access.broker import COORDINATOR_USER
+    from broker_coordinator.engine.coordinator import Coordinator
     from tests.conftest import FEDERATION
     coordinator = Coordinator(FEDERATION, "digits_mlp", datasets.load("digits").test,
                               RoundSettings(downlink="delta", downlink_chain=2))

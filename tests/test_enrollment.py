@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from broker_coordinator import devices as ops
-from broker_coordinator.registry import ACTIVE, PENDING, REVOKED, Registry, RegistryError
+from broker_coordinator.access import devices as ops
+from broker_coordinator.access.registry import ACTIVE, PENDING, REVOKED, Registry, RegistryError
 from edge_agent.config import load_config as load_agent_config
 from edge_agent.enroll import EnrollError, enroll
 from edgefl_protocol import enrollment as proto
@@ -146,7 +146,7 @@ def test_answers_echo_the_requests_nonce(server, desk):
 def test_expired_one_time_password_is_removed_from_the_broker_when_it_expires(server, tmp_path):
     """Before: an expired token's one-time password kept working at the broker until the next credential
     change. Now the enrollment desk reloads the broker at the earliest token expiry."""
-    from broker_coordinator.enrollment import EnrollmentDesk
+    from broker_coordinator.access.enrollment import EnrollmentDesk
     from edgefl_protocol.transport import BrokerUnavailable
     lines: list[str] = []
     client = ops.coordinator_client(server.config, "desk")
@@ -233,8 +233,8 @@ def test_admission_costs_no_connect_and_sees_a_revocation_from_another_process(t
     the next update."""
     import sqlite3
 
-    from broker_coordinator import registry as registry_module
-    from broker_coordinator.store import Store
+    from broker_coordinator.access import registry as registry_module
+    from broker_coordinator.storage.store import Store
 
     registry = Registry(tmp_path / "coordinator.db")
     for name in ("a", "b"):
@@ -262,7 +262,7 @@ def coordinator_cli(capsys):
     """`broker-coordinator ARGS` in this process (the end-to-end tests run it as a process)."""
     from types import SimpleNamespace
 
-    from broker_coordinator.cli import main
+    from broker_coordinator.cli.cli import main
 
     def run(*args: str) -> SimpleNamespace:
         capsys.readouterr()
@@ -371,7 +371,7 @@ def test_bad_config_key_is_named(tmp_path, coordinator_cli):
 
 
 def test_config_env_override_and_rounds_section(server, monkeypatch):
-    from broker_coordinator.config import load_config
+    from broker_coordinator.settings.config import load_config
     monkeypatch.setenv("EDGEFL_COORDINATOR_BROKER_PORT", "1999")
     monkeypatch.setenv("EDGEFL_COORDINATOR_ROUNDS_LR", "0.5")
     config = load_config(server.config_path)
@@ -404,10 +404,10 @@ def self_signed(directory, name: str = "broker"):
 def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
     from .operator_fixtures import start_server, stop_server
     cert, key = self_signed(tmp_path / "pki")
-    from broker_coordinator.broker import free_port
+    from broker_coordinator.access.broker import free_port
     server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"', device_port=free_port())
     try:
-        from broker_coordinator.enrollment import EnrollmentDesk
+        from broker_coordinator.access.enrollment import EnrollmentDesk
         client = ops.coordinator_client(server.config, "desk")
         connect(client, "127.0.0.1", server.port, timeout=10)
         desk = EnrollmentDesk(server.config, ops.open_registry(server.config))

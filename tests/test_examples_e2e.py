@@ -185,7 +185,7 @@ def readme_block(readme: Path, marker: str) -> str:
 def test_readme_configs_for_real_devices_load(tmp_path, example):
     """The coordinator and agent snippets of each example's README, as an operator would paste them."""
     require(f"edgefl_{example}_example")
-    from broker_coordinator.config import load_config as load_coordinator
+    from broker_coordinator.settings.config import load_config as load_coordinator
     from edge_agent.config import load_config as load_agent
 
     readme = Path(__file__).resolve().parent.parent / "examples" / example / "README.md"

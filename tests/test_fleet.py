@@ -1,4 +1,4 @@
-"""Fleet emulation (broker_coordinator/fleet.py): device classes, cgroups, churn; and one small
+"""Fleet emulation (broker_coordinator/simulation/fleet.py): device classes, cgroups, churn; and one small
 `simulate --fleet --churn` run with real agent processes under real kernel limits (as root)."""
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_coordinator import fleet
-from broker_coordinator.simulate import SimulationSpec, setup_fleet
+from broker_coordinator.simulation import fleet
+from broker_coordinator.simulation.simulate import SimulationSpec, setup_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 

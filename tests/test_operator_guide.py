@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from broker_coordinator.processes import stop_processes
+from broker_coordinator.simulation.processes import stop_processes
 from .operator_fixtures import PROJECT_ROOT, debian_main_conf, run_module, write_coordinator_config
 
 GUIDE = PROJECT_ROOT / "docs" / "OPERATOR.md"  # the operator guide (linked from the README)
@@ -60,7 +60,7 @@ def wait_for(predicate, within: float, what: str) -> None:
 
 
 def test_operator_guide_end_to_end(tmp_path):
-    from broker_coordinator.broker import find_mosquitto, free_port, wait_for_port
+    from broker_coordinator.access.broker import find_mosquitto, free_port, wait_for_port
 
     root = tmp_path / "server"
     port = free_port()

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from broker_coordinator.robust import RobustRound
-from broker_coordinator.rounds import Round
+from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.engine.rounds import Round
+from broker_coordinator.simulation.in_memory import fold_round
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
 from models.architectures import ModelError, build_model, fingerprint, resolve
@@ -142,8 +143,8 @@ def test_evaluation_reports_are_signed_and_checked():
 
 
 def _coordinator(tmp_path, objective=Objective(), test=True, **settings):
-    from broker_coordinator.coordinator import Coordinator, RoundSettings
-    from broker_coordinator.store import Store
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.storage.store import Store
     from models import datasets
 
     test_set = datasets.load("digits").test if test else None
@@ -164,7 +165,7 @@ def _update(c, device, metrics, round_no=1):
 def test_without_a_test_set_the_round_records_the_devices_sample_weighted_score(tmp_path):
     c = _coordinator(tmp_path, test=False)
     assert (c.evaluate_central, c.evaluate_devices) == (False, True)
-    record = c.fold_round({
+    record = fold_round(c, {
         "d1": _update(c, "d1", {"eval_metric": "accuracy", "eval_score": 0.5, "eval_loss": 1.0, "eval_count": 10}),
         "d2": _update(c, "d2", {"eval_metric": "accuracy", "eval_score": 0.8, "eval_loss": 0.4, "eval_count": 30}),
         "d3": _update(c, "d3", {"eval_metric": "mse", "eval_score": 0.1, "eval_loss": 0.1, "eval_count": 1000}),
@@ -188,7 +189,7 @@ def test_an_evaluation_only_round_keeps_the_model_and_takes_reports_not_updates(
     assert rnd.evaluations == {"d1": (0.9, 0.3, 20)} and c.rejections["schema"] == 2
     assert c.settings.evaluation_only(2) and not c.settings.evaluation_only(3)
     weights = {k: v.copy() for k, v in c.weights.items()}
-    from broker_coordinator.rounds import RoundState
+    from broker_coordinator.engine.rounds import RoundState
     rnd.move(RoundState.COLLECTING)
     rnd.move(RoundState.CLOSED)
     record = c._conclude(rnd, "base")
@@ -198,7 +199,7 @@ def test_an_evaluation_only_round_keeps_the_model_and_takes_reports_not_updates(
 
 
 def test_central_evaluation_without_a_test_set_is_a_config_error(tmp_path):
-    from broker_coordinator.coordinator import RoundSettings
+    from broker_coordinator.engine.coordinator import RoundSettings
     with pytest.raises(ValueError, match="needs a test set"):
         RoundSettings(evaluate="central").evaluation(False)
     with pytest.raises(ValueError, match="evaluate must be one of"):
@@ -226,9 +227,9 @@ def test_devices_whose_installed_model_differs_refuse_with_one_line(tmp_path, mo
     """Through real agent processes and a real broker: the coordinator's package builds a 32-wide
     model; the devices have another version of it (or none). Each refuses with one log line and
     the coordinator records why; nothing crashes and no round is aggregated."""
-    from broker_coordinator.coordinator import RoundFailed, RoundSettings
-    from broker_coordinator.simulate import SimulationSpec, simulate
-    from broker_coordinator.store import Store
+    from broker_coordinator.engine.coordinator import RoundFailed, RoundSettings
+    from broker_coordinator.simulation.simulate import SimulationSpec, simulate
+    from broker_coordinator.storage.store import Store
 
     _digits_package(tmp_path / "coordinator-site", 32)
     sys.path.insert(0, str(tmp_path / "coordinator-site"))

@@ -13,11 +13,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER, free_port
-from broker_coordinator.private_broker import PrivateBroker
-from broker_coordinator.coordinator import Coordinator, RoundSettings
-from broker_coordinator.rounds import RoundState
-from broker_coordinator.store import Store
+from broker_coordinator.access.broker import COORDINATOR_USER, free_port
+from broker_coordinator.simulation.private_broker import PrivateBroker
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.rounds import RoundState
+from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.settings import to_toml
 from edgefl_protocol.transport import connect, make_client

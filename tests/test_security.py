@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator import devices as ops
-from broker_coordinator.broker import hash_password
-from broker_coordinator.registry import Registry
+from broker_coordinator.access import devices as ops
+from broker_coordinator.access.broker import hash_password
+from broker_coordinator.access.registry import Registry
 from edgefl_protocol import topics
 from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 
@@ -145,7 +145,7 @@ def test_a_device_cannot_take_over_the_coordinators_or_another_devices_session(s
 
 def test_admin_tools_do_not_kick_the_coordinator(server):
     """`devices list` and `revoke` use their own broker user (least privilege: the devices' status topics)."""
-    from broker_coordinator.broker import admin_password, admin_user
+    from broker_coordinator.access.broker import admin_password, admin_user
     enrolled(server, "dev-a")
     coordinator = session(server, server.config.broker.username, server.config.broker.password,
                           client_id=f"coordinator-{FEDERATION}")
@@ -276,7 +276,7 @@ def test_revoked_device_is_kicked_and_cannot_reconnect(server):
 def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
     """The coordinator consults the registry, so an update that reaches it after revocation (sent just
     before the broker reloaded, or through a broken ACL) is rejected with reason 'revoked'."""
-    from broker_coordinator.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
     from edgefl_protocol import codec, messages
     from models.datasets import Dataset
 
@@ -328,7 +328,7 @@ def test_devices_list_shows_online_state_and_registry_columns(server):
     try:
         a.client.publish(topics.status(FEDERATION, "dev-a"), messages.encode("status", messages.Status("dev-a", "online")),
                          qos=1, retain=True).wait_for_publish(5)
-        from broker_coordinator.store import Store
+        from broker_coordinator.storage.store import Store
         store = Store(server.config.storage.state_dir)  # what the coordinator records as rounds go by
         store.record_presence("dev-a", True, {})
         store.db.execute("INSERT INTO device_rounds VALUES (4, 1, 'dev-a', 1, NULL, '{}', 0)")

@@ -15,12 +15,19 @@ import msgpack
 import numpy as np
 import pytest
 
-from broker_coordinator.broker import COORDINATOR_USER
-from broker_coordinator.coordinator import Coordinator, RoundSettings
-from broker_coordinator.local_sites import LocalSites
-from broker_coordinator.partials import SiteTask, decode_partial, encode_center, encode_partial, encode_site_task
-from broker_coordinator.site_aggregator import SiteWorker
-from broker_coordinator.tree import SiteSpec, TreeCoordinator, quotas
+from broker_coordinator.access.broker import COORDINATOR_USER
+from broker_coordinator.aggregation.partials import (
+    SiteTask,
+    decode_partial,
+    encode_center,
+    encode_partial,
+    encode_site_task,
+)
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.site_aggregator import SiteWorker
+from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
+from broker_coordinator.simulation.in_memory import fold_partials, fold_round
+from broker_coordinator.simulation.local_sites import LocalSites
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
@@ -72,7 +79,7 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
     rng = np.random.default_rng(3)
     payloads = {d: signed_update(d, keys[d], task, specs, rng, int(rng.integers(20, 200))) for d in where}
 
-    flat_record = flat.fold_round(payloads)
+    flat_record = fold_round(flat, payloads)
     # north has two workers, each folding half of its devices (as $share would split them)
     workers = {("north", 0): ["north-0", "north-2"], ("north", 1): ["north-1", "north-3"],
                ("south", 0): ["south-0", "south-1", "south-2"], ("east", 0): ["east-0", "east-1"]}
@@ -85,7 +92,7 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
         for device in devices:
             worker._on_update(rnd, device, payloads[device], time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
-    tree_record = tree.fold_partials({"north": 4, "south": 3, "east": 2}, partials)
+    tree_record = fold_partials(tree, {"north": 4, "south": 3, "east": 2}, partials)
     observed = [row for _, p in partials for row in msgpack.unpackb(p[4 + signing.TAG_BYTES:])["observed"]]
     if algorithm == "fedavg":  # its server rule keeps no per-device state
         assert observed == []
@@ -128,7 +135,7 @@ def test_the_default_fold_gives_the_same_model_flat_and_in_sites(digits, algorit
     specs = {**flat.specs, **flat.extra_specs}
     task = messages.Task(1, 0, time.time() + 60, algorithm, settings.task_hparams(1), {}, "float32", 1)
     payloads = {d: signed_update(d, keys[d], task, specs, rng, 50) for d in where}
-    flat_record = flat.fold_round(payloads)
+    flat_record = fold_round(flat, payloads)
     assert flat_record.clipped.get("center", 0) >= 2, "no update was far enough to be clipped"
 
     site_task = SiteTask(1, 1, 0, messages.encode("task", task), {"weighting": "uniform", "norm_bound": 0.0,
@@ -143,7 +150,7 @@ def test_the_default_fold_gives_the_same_model_flat_and_in_sites(digits, algorit
         for device in (d for d, s in where.items() if s == site):
             worker._on_update(rnd, device, payloads[device], time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
-    tree_record = tree.fold_partials({"north": 3, "south": 3}, partials)
+    tree_record = fold_partials(tree, {"north": 3, "south": 3}, partials)
     assert tree_record.clipped.get("center") == flat_record.clipped["center"]
     for name in flat.weights:
         np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
@@ -212,8 +219,8 @@ def test_a_site_selects_its_cohort_with_the_rounds_selection_policy(policy):
     random, whatever the coordinator was configured with)."""
     import random
 
-    from broker_coordinator.selection import is_stable, select
-    from broker_coordinator.site_aggregator import site_rules
+    from broker_coordinator.engine.selection import is_stable, select
+    from broker_coordinator.engine.site_aggregator import site_rules
 
     rules = site_rules(RoundSettings(selection=policy, aggregator="mean"))
     assert rules["selection"] == policy and rules["aggregator"] == "mean"
@@ -240,7 +247,7 @@ def test_a_site_selects_its_cohort_with_the_rounds_selection_policy(policy):
 def test_a_site_task_naming_an_unknown_selection_selects_at_random(caplog):
     import random
 
-    from broker_coordinator.selection import select
+    from broker_coordinator.engine.selection import select
 
     worker = SiteWorker(FED, "north", ARCH, signing.new_key(), {}, seed=5)
     worker.session = PublishedTo()  # type: ignore[assignment]
@@ -325,7 +332,7 @@ def test_bridged_sites_run_rounds_and_two_workers_share_a_site(tmp_path, digits)
             tree.wait_for_devices(6, timeout=20)
             records = [tree.run_round() for _ in range(2)]
             for r in (1, 2):
-                flat.fold_round({d.name: d.sent[r] for d in devices})
+                fold_round(flat, {d.name: d.sent[r] for d in devices})
         finally:
             stop.set()
             for thread in threads:
@@ -353,10 +360,14 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
     from the generated files, its bridge logs in over TLS as site-north; the retained model comes
     down, a partial goes up; site-south's bridge user can neither read north's task nor write its
     partials."""
-    from broker_coordinator import devices as ops
-    from broker_coordinator.broker import find_mosquitto, free_port, wait_for_port
-    from broker_coordinator.processes import stop_processes
-    from broker_coordinator.sites import bridge_password, worker_password
+    from broker_coordinator.access import devices as ops
+    from broker_coordinator.access.broker import (
+        find_mosquitto,
+        free_port,
+        wait_for_port,
+    )
+    from broker_coordinator.access.sites import bridge_password, worker_password
+    from broker_coordinator.simulation.processes import stop_processes
 
     from .operator_fixtures import PROJECT_ROOT, start_server, stop_server
     from .test_enrollment import self_signed
@@ -436,7 +447,7 @@ def wait_until(predicate, within: float, what: str) -> None:
 
 
 def test_config_names_sites_and_refuses_what_they_cannot_run(tmp_path):
-    from broker_coordinator.config import load_config
+    from broker_coordinator.settings.config import load_config
     from edgefl_protocol.settings import ConfigError
     base = '[federation]\ntest_data = "t.npz"\nmodel = "digits_mlp"\n[broker]\npassword = "x"\n'
     path = tmp_path / "c.toml"

@@ -31,7 +31,7 @@ def test_state_credential_and_config_files_are_written_atomically_and_fsynced(tm
 
     import pytest
 
-    from broker_coordinator.devices import write_file
+    from broker_coordinator.access.devices import write_file
     from edgefl_protocol import persist, signing
 
     synced = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_coordinator.broker import render_fragment
+from broker_coordinator.access.broker import render_fragment
 from edge_agent import service
 
 from .operator_fixtures import run_module
@@ -86,8 +86,8 @@ def test_coordinator_unit_settings():
 
 def default_fragment(tmp_path: Path) -> str:
     """What `broker-config` writes for a config that sets only the required keys."""
-    from broker_coordinator.config import load_config
-    from broker_coordinator.devices import message_size_limit
+    from broker_coordinator.settings.config import load_config
+    from broker_coordinator.access.devices import message_size_limit
     path = tmp_path / "coordinator.toml"
     path.write_text('[federation]\ntest_data = "test.npz"\n[broker]\npassword = "x"\n')
     config = load_config(path, with_rounds=False)

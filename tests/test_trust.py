@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.robust import RobustRound, trimmed_mean
-from broker_coordinator.trust import NormBound, SampleWeights
+from broker_coordinator.aggregation.robust import RobustRound, trimmed_mean
+from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 
 SPECS = {"w": (4,)}
 
@@ -117,7 +117,7 @@ def test_trimmed_mean_keeps_at_least_one_value():
 
 
 def test_settings_refuse_what_agents_refuse_and_unknown_aggregators():
-    from broker_coordinator.coordinator import RoundSettings
+    from broker_coordinator.engine.coordinator import RoundSettings
     with pytest.raises(ValueError, match="local_epochs must be a whole number 0-100"):
         RoundSettings(local_epochs=150).validate()
     with pytest.raises(ValueError, match="aggregator must be one of"):
@@ -127,13 +127,13 @@ def test_settings_refuse_what_agents_refuse_and_unknown_aggregators():
 
 
 def _checkpoint(round_no, value):
-    from broker_coordinator.store import Checkpoint, model_sha256
+    from broker_coordinator.storage.store import Checkpoint, model_sha256
     weights = {"w": np.full(2, value, np.float32)}
     return Checkpoint(round_no, round_no, "digits_mlp", weights, model_sha256(weights), {}, {})
 
 
 def test_rollback_goes_back_under_a_new_version_and_keeps_the_history(tmp_path):
-    from broker_coordinator.store import Store, StoreError
+    from broker_coordinator.storage.store import Store, StoreError
     store = Store(tmp_path, keep=3)
     for r in range(1, 6):
         store.save_checkpoint(_checkpoint(r, float(r)))
@@ -151,7 +151,7 @@ def test_rollback_goes_back_under_a_new_version_and_keeps_the_history(tmp_path):
 
 
 def test_attempts_are_never_overwritten_and_old_databases_migrate(tmp_path):
-    from broker_coordinator.store import Store
+    from broker_coordinator.storage.store import Store
     db = sqlite3.connect(tmp_path / "coordinator.db")  # the schema before history became append-only
     db.execute("CREATE TABLE rounds (round INTEGER NOT NULL, attempt INTEGER NOT NULL, closed TEXT NOT NULL, "
                "selected INTEGER, participants INTEGER, accuracy REAL, loss REAL, bytes_up INTEGER, seconds REAL, "
@@ -195,7 +195,7 @@ def test_a_root_reference_replaces_the_median():
 
 
 def test_root_reference_needs_root_data():
-    from broker_coordinator.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
     from models import datasets
     with pytest.raises(ValueError, match="root_data"):
         Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(reference="root"))
@@ -206,8 +206,8 @@ def test_rollback_from_the_command_line_and_refused_while_the_coordinator_runs(t
     import sys
     from pathlib import Path
 
-    from broker_coordinator.statelock import StateLock
-    from broker_coordinator.store import Store
+    from broker_coordinator.storage.statelock import StateLock
+    from broker_coordinator.storage.store import Store
     from edgefl_protocol.settings import to_toml
 
     state = tmp_path / "state"

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from broker_coordinator.coordinator import Coordinator, RoundSettings
-from broker_coordinator.simulate import SimulationSpec, spawn_agent, stop_processes, write_agent_config
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.simulation.simulate import SimulationSpec, spawn_agent, stop_processes, write_agent_config
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
 from edgefl_protocol import codec, downlink, messages, signing, topics

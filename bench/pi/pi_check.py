@@ -223,8 +223,8 @@ def check_training(root: Path, cpu: str, inputs: dict[str, Path], reference: dic
 
 def federation(root: Path, cpu: str, threads: int, rounds: int, log_dir: Path, echo) -> dict:
     """A `simulate` federation, 3 agents, dev-000 being the emulated aarch64 agent run through chroot."""
-    from broker_coordinator.coordinator import RoundSettings
-    from broker_coordinator.simulate import SimulationSpec, simulate, spawn_agent
+    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.simulation.simulate import SimulationSpec, simulate, spawn_agent
 
     out = root / "tmp" / f"pi-federation-{cpu}"
     shutil.rmtree(out, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The small interface through which every algorithm plugs into the one local
 training loop (`edge_agent.training.train_locally`) and the one aggregator
-(`broker_coordinator.aggregation.StreamingMean`).
+(`broker_coordinator.aggregation.streaming.StreamingMean`).
 
 Client side, per round, in the order the loop calls them:
     local_epochs(E) -> E'                 an algorithm may shorten the round (DR-SAM's tau rule)

@@ -30,7 +30,7 @@ step's descent gradient outside the first and last m steps; see sam.py).
 
 Server:
     weights p_k ~ n_k (default) or n_k exp(-lambda_k) (`lambda_weighting` = 1)
-    selection: the coordinator's `selection = "stability"` policy (broker_coordinator/selection.py)
+    selection: the coordinator's `selection = "stability"` policy (broker_coordinator/engine/selection.py)
       implements the note's stability-aware selection from the signals reported here
     broadcast: round, warmup flag, median sigma (0 until the calibration rounds are over)
 

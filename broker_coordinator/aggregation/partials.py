@@ -1,0 +1,277 @@
+"""What crosses a site's bridge per round: the coordinator's site task down, one signed partial per
+aggregator worker up.
+
+A site task carries the round's device task payload verbatim (the site publishes the same bytes
+to each device it selects, as the coordinator does in a flat federation), how many devices the
+site should select, and the trust rules its workers apply. A partial is a worker's share of the
+round: the weighted sum of the deltas it accepted (float32 on the wire; summed in float64 on
+both sides), their total weight, weighted steps and count, the uniform sum of the algorithm's
+extra tensors, a summary of the devices' metrics, and the rejections by reason. Its size does not
+depend on how many devices answered, except for `observed`: the per-device signals a server rule
+that keeps per-device state (e.g. dynsam's medians) needs; it is empty for rules that keep none.
+
+    edgefl/<fed>/site/<site>/task        coordinator -> site (queued for the bridge's session while it is down)
+    edgefl/<fed>/site/<site>/status      site -> coordinator, retained: devices online and eligible
+    edgefl/<fed>/site/<site>/partial     site -> coordinator: one per worker per round attempt
+    edgefl/<fed>/site/<site>/cohort      site-local, retained: the devices the site tasked
+
+A partial is signed like an update (`signing`), with the site's key: the bridge user's ACL lets a
+site write only its own topics, and the signature makes a misconfigured ACL still not enough.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from broker_coordinator.aggregation.streaming import StreamingMean
+from edgefl_protocol import codec, messages, signing, topics
+from edgefl_protocol.errors import Rejected
+from edgefl_protocol.messages import (  # the same header checks as every message
+    _field,
+    _unpack,
+)
+
+EXTRA = "extra."  # tensors the algorithm sends beside the delta (edgefl_protocol.algorithms.base.EXTRA_PREFIX)
+MAX_SUMMARY_KEYS = 64
+MAX_OBSERVED = 100_000
+
+
+def site_topic(fed: str, site: str, kind: str) -> str:
+    return f"{topics.ROOT}/{fed}/site/{site}/{kind}"
+
+
+def all_site_topics(fed: str, kind: str) -> str:
+    return f"{topics.ROOT}/{fed}/site/+/{kind}"
+
+
+def parse_site_topic(topic: str) -> tuple[str, str, str] | None:
+    """`edgefl/<fed>/site/<site>/<kind>` -> (fed, site, kind); None for anything else."""
+    parts = topic.split("/")
+    if len(parts) != 5 or parts[0] != topics.ROOT or parts[2] != "site":
+        return None
+    return parts[1], parts[3], parts[4]
+
+
+@dataclass
+class SiteTask:
+    round: int
+    attempt: int
+    clients: int  # devices the site selects; 0 = every eligible device
+    task: bytes  # the encoded messages.Task every selected device receives
+    rules: dict[str, Any] = field(default_factory=dict)  # RoundSettings trust fields the workers apply
+    # centered_clip's centre for the round (the last applied step), float32-coded; empty: none yet
+    center_specs: list = field(default_factory=list)
+    center: bytes = b""
+
+
+@dataclass
+class Partial:
+    federation: str
+    site: str
+    worker: int
+    round: int
+    attempt: int
+    model_version: int
+    count: int  # deltas folded in
+    total_weight: float
+    weighted_steps: float
+    extras_count: int
+    specs: list  # [[name, [dims]], ...] of `body` (float32 codec): model tensors, then "extra." ones
+    body: bytes
+    rejected: dict[str, int] = field(default_factory=dict)
+    refused: int = 0
+    clipped: dict[str, int] = field(default_factory=dict)
+    bytes_up: int = 0
+    summary: dict[str, list] = field(default_factory=dict)  # metric -> [count, sum, min, max]
+    observed: list = field(default_factory=list)  # [[device, num_samples, {metric: value}], ...]
+    selected: int = 0  # devices the site tasked (reported by worker 0 only)
+    evaluation: list = field(default_factory=list)  # [sum score*n, sum loss*n, n, devices] of device evaluations
+
+
+def encode_site_task(task: SiteTask) -> bytes:
+    return messages.encode("site_task", task)
+
+
+def site_task_cap(specs: Mapping[str, tuple[int, ...]]) -> int:
+    """Bytes: the largest site task a worker accepts (the device task and rules, and the centre)."""
+    return (1 << 20) + 4 * sum(math.prod(shape) for shape in specs.values())
+
+
+def decode_site_task(data: bytes, max_bytes: int = 1 << 20) -> SiteTask:
+    obj = _unpack(data, "site_task", max_bytes)
+    task = SiteTask(_field(obj, "round", int), _field(obj, "attempt", int), _field(obj, "clients", int),
+                    _field(obj, "task", bytes), obj.get("rules") or {}, obj.get("center_specs") or [],
+                    obj.get("center") or b"")
+    if task.clients < 0 or not isinstance(task.rules, dict):
+        raise Rejected("schema", "site task: clients must be >= 0 and rules a map")
+    if not isinstance(task.center_specs, list) or not isinstance(task.center, bytes):
+        raise Rejected("schema", "site task: center_specs must be a list and center bytes")
+    return task
+
+
+def encode_center(center: Mapping[str, np.ndarray] | None) -> tuple[list, bytes]:
+    if center is None:
+        return [], b""
+    encoded = codec.encode(center, "float32")
+    return encoded.specs, encoded.body
+
+
+def decode_center(task: SiteTask, specs: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """The site task's centre with the model's shapes and finite values, or None. Raises Rejected."""
+    if not task.center:
+        return None
+    return codec.decode("float32", task.center_specs, task.center, dict(specs), sum(math.prod(s) for s in specs.values()))
+
+
+# partials ----------------------------------------------------------------------------------------
+def make_partial(fed: str, site: str, worker: int, round_no: int, attempt: int, model_version: int,
+                 stream: StreamingMean, extras: StreamingMean | None, **info: Any) -> Partial:
+    """A worker's share of a round from its fold (`stream`: the weighted sums; `extras`: uniform)."""
+    tensors = {name: acc.astype(np.float32) for name, acc in stream.sums.items()}
+    if extras is not None and extras.count:
+        tensors.update({name: acc.astype(np.float32) for name, acc in extras.sums.items()})
+    encoded = codec.encode(tensors, "float32")
+    return Partial(fed, site, worker, round_no, attempt, model_version, stream.count, stream.total_weight,
+                   stream.weighted_steps, extras.count if extras is not None and extras.count else 0, encoded.specs,
+                   encoded.body, **info)
+
+
+def encode_partial(partial: Partial, key: bytes) -> bytes:
+    return signing.sign(messages.encode("partial", partial), key)
+
+
+def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str, tuple[int, ...]],
+                   extra_specs: Mapping[str, tuple[int, ...]], max_bytes: int) -> tuple[Partial, dict[str, np.ndarray]]:
+    """Size cap, the site's signature, then every field; the tensors must have the model's shapes
+    and be finite. Raises Rejected."""
+    if len(data) > max_bytes:
+        raise Rejected("oversized", f"partial of {len(data)} bytes exceeds the cap of {max_bytes}")
+    obj = _unpack(signing.verify(data, key, f"site {site}"), "partial", max_bytes)
+    p = Partial(
+        federation=_field(obj, "federation", str), site=_field(obj, "site", str), worker=_field(obj, "worker", int),
+        round=_field(obj, "round", int), attempt=_field(obj, "attempt", int),
+        model_version=_field(obj, "model_version", int), count=_field(obj, "count", int),
+        total_weight=float(_field(obj, "total_weight", (int, float))),
+        weighted_steps=float(_field(obj, "weighted_steps", (int, float))),
+        extras_count=_field(obj, "extras_count", int), specs=_field(obj, "specs", list), body=_field(obj, "body", bytes),
+        rejected=_counts(obj, "rejected"), refused=_field(obj, "refused", int), clipped=_counts(obj, "clipped"),
+        bytes_up=_field(obj, "bytes_up", int), summary=_summary(obj), observed=_observed(obj),
+        selected=_field(obj, "selected", int), evaluation=_evaluation(obj))
+    if p.site != site:
+        raise Rejected("sender", f"topic says site {site} but the partial claims {p.site}")
+    if min(p.worker, p.count, p.extras_count, p.refused, p.bytes_up, p.selected) < 0 or p.extras_count > p.count:
+        raise Rejected("schema", "partial: worker and counts must be >= 0, extras_count <= count")
+    if not (math.isfinite(p.total_weight) and math.isfinite(p.weighted_steps)):
+        raise Rejected("non_finite", "partial: total weight or weighted steps is not finite")
+    if (p.count == 0) != (p.total_weight == 0) or p.total_weight < 0 or p.weighted_steps < 0:
+        raise Rejected("schema", f"partial: {p.count} deltas with total weight {p.total_weight}")
+    expected = dict(specs) | (dict(extra_specs) if p.extras_count else {})
+    sums = codec.decode("float32", p.specs, p.body, expected, sum(math.prod(s) for s in expected.values()))
+    return p, sums
+
+
+def _counts(obj: Mapping[str, Any], name: str) -> dict[str, int]:
+    value = obj.get(name) or {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 0 for k, v in value.items()):
+        raise Rejected("schema", f"field {name!r} must map reasons to counts")
+    return value
+
+
+def _evaluation(obj: Mapping[str, Any]) -> list:
+    row = obj.get("evaluation") or []
+    if row and not (isinstance(row, list) and len(row) == 4
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row)
+                    and row[2] > 0 and row[3] > 0):
+        raise Rejected("schema", "evaluation must be [sum score*n, sum loss*n, n > 0, devices > 0] of finite numbers")
+    return row
+
+
+def pooled_evaluation(reports: Mapping[str, tuple[float, float, int]]) -> list:
+    """Devices' evaluations (device -> score, loss, count) as sums a partial can carry."""
+    valid = [r for r in reports.values() if r[2] > 0 and math.isfinite(r[0]) and math.isfinite(r[1])]
+    if not valid:
+        return []
+    return [sum(s * n for s, _, n in valid), sum(loss * n for _, loss, n in valid), sum(n for *_, n in valid),
+            len(valid)]
+
+
+def _summary(obj: Mapping[str, Any]) -> dict[str, list]:
+    value = obj.get("summary") or {}
+    if not isinstance(value, dict):
+        raise Rejected("schema", "field 'summary' must be a map")
+    for key, row in value.items():
+        if not (isinstance(key, str) and isinstance(row, list) and len(row) == 4
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row)):
+            raise Rejected("schema", "summary rows must be [count, sum, min, max] of finite numbers")
+    return value
+
+
+def _observed(obj: Mapping[str, Any]) -> list:
+    rows = obj.get("observed") or []
+    if not isinstance(rows, list) or len(rows) > MAX_OBSERVED:
+        raise Rejected("schema", f"field 'observed' must be a list of at most {MAX_OBSERVED} rows")
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                and isinstance(row[1], int) and isinstance(row[2], dict)):
+            raise Rejected("schema", "observed rows must be [device, num_samples, {metric: value}]")
+    return rows
+
+
+def summarize(metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, list]:
+    """Per numeric metric over the accepted devices: [count, sum, min, max]."""
+    out: dict[str, list] = {}
+    for values in metrics.values():
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            row = out.setdefault(key, [0, 0.0, float(value), float(value)])
+            row[0] += 1
+            row[1] += float(value)
+            row[2], row[3] = min(row[2], float(value)), max(row[3], float(value))
+        if len(out) >= MAX_SUMMARY_KEYS:
+            break
+    return out
+
+
+class TreeSum:
+    """The round's aggregate from partials: the same StreamingMean, fed whole sums instead of deltas.
+    Quacks like `robust.RobustRound` where the coordinator reads it (`count`, `mean`, `clipped`,
+    `gated`): bounds were applied at the sites, so nothing is clipped or gated here."""
+
+    def __init__(self, specs: Mapping[str, tuple[int, ...]], normalize_steps: bool,
+                 extra_specs: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        self.stream = StreamingMean(specs, normalize_steps)
+        self.extras = StreamingMean(extra_specs) if extra_specs else None
+        self.clipped: dict[str, tuple[float, float]] = {}
+        self.gated: dict[str, float] = {}
+        self.bounded: Counter[str] = Counter()  # what the sites clipped, by kind
+        self.summary: dict[str, list] = {}
+        self.reports = 0  # devices whose evaluation the partials carry
+
+    @property
+    def count(self) -> int:
+        return self.stream.count
+
+    def add(self, partial: Partial, sums: Mapping[str, np.ndarray]) -> None:
+        self.stream.merge({n: sums[n] for n in self.stream.sums}, partial.total_weight, partial.weighted_steps,
+                          partial.count)
+        if self.extras is not None and partial.extras_count:
+            self.extras.merge({n: sums[n] for n in self.extras.sums}, float(partial.extras_count),
+                              float(partial.extras_count), partial.extras_count)
+        self.bounded.update(partial.clipped)
+        self.reports += int(partial.evaluation[3]) if partial.evaluation else 0
+        for key, row in partial.summary.items():
+            mine = self.summary.setdefault(key, [0, 0.0, row[2], row[3]])
+            mine[0] += row[0]
+            mine[1] += row[1]
+            mine[2], mine[3] = min(mine[2], row[2]), max(mine[3], row[3])
+
+    def mean(self) -> dict[str, np.ndarray]:
+        return self.stream.mean()

@@ -1,0 +1,216 @@
+"""One round's fold of client deltas, robust to the devices that lie.
+
+Every delta is first scaled down to the adaptive norm bound (`trust.NormBound`),
+then combined by one of (`RoundSettings.aggregator`):
+
+- `centered_clip` (default): centered clipping (Karimireddy, He and Jaggi,
+  ICML 2021). Each delta's difference from a centre `c` that every level of
+  the federation knows before the round opens (the last applied aggregate
+  step, see `Coordinator.center`) is clipped to a radius tau, and the round
+  averages c + clip(delta - c, tau):
+      aggregate = c + sum_k w_k min(1, tau / ||delta_k - c||) (delta_k - c) / sum_k w_k
+  tau is `norm_bound` times the median of the devices' recent (clipped)
+  distances from their round's centre (a second `NormBound`), fixed when the
+  round opens, so the fold does not depend on the order of arrival. A reversed or
+  crafted update lies far from c and counts at most tau; honest deltas of a
+  converging federation lie near it. Each update is judged as it arrives, by
+  the same rule at a site and at the centre, so the fold streams: memory
+  O(model) at any cohort size. Without a centre (the first round) it is the
+  plain clipped mean.
+- `mean`: the weighted mean of the norm-bounded deltas, streamed.
+- `gated_mean`: the weighted mean of the deltas that point the same way as
+  the round's coordinate-wise median (cosine > 0), at least the most aligned
+  half. Holds the round's deltas: memory O(cohort x model); flat rounds only.
+- `trimmed_mean`: per coordinate, drop the `trim` fraction of largest and of
+  smallest values, average the rest (Yin et al., ICML 2018). Unweighted.
+- `median`: per coordinate median (Yin et al., ICML 2018). Unweighted.
+
+The last three hold the round's deltas (memory O(cohort x model)) and ignore
+sample weights and step normalization: that is their price, and why they
+cannot run at a site (a partial carries sums, not the deltas a median needs).
+
+A cold start (fewer than `warmup` norms known) holds at most `warmup`
+updates, clips them against the median of their own norms, and streams from
+then on: the streaming folds stay O(model) from the first round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from broker_coordinator.aggregation.streaming import StreamingMean
+from broker_coordinator.aggregation.trust import NormBound
+from broker_coordinator.settings.choices import (
+    AGGREGATORS,
+    DEFAULT_AGGREGATOR,
+    STREAMING,
+)
+
+
+@dataclass
+class Held:
+    device: str
+    delta: dict[str, np.ndarray]
+    weight: float
+    steps: int
+    norm: float
+
+
+def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """Accumulated in float64, with einsum's own loop rather than BLAS: np.dot hands a vector this size
+    to OpenBLAS's thread pool, which on busy cores (the coordinator's own paho and torch threads, other
+    jobs) waits milliseconds per call for its second thread; that capped the intake near 50-150
+    updates/s on 2 loaded cores (bench/runtime.py), against about 400 without BLAS threads."""
+    total = 0.0
+    for a in tensors.values():
+        x = np.asarray(a, dtype=np.float64).ravel()
+        total += float(np.einsum("i,i->", x, x))
+    return float(np.sqrt(total))
+
+
+class RobustRound:
+    def __init__(self, specs: Mapping[str, tuple[int, ...]], bound: NormBound, aggregator: str = DEFAULT_AGGREGATOR,
+                 trim: float = 0.2, normalize_steps: bool = False,
+                 reference: Callable[[list[str]], np.ndarray] | None = None,
+                 center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None) -> None:
+        """`reference(names)`, if given, is gated_mean's direction (flattened in the order of `names`)
+        instead of the round's coordinate-wise median (see `reference.py`). `center` and `radius` are
+        centered_clip's centre (None: none yet) and the adaptive radius' history."""
+        if aggregator not in AGGREGATORS:
+            raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
+        self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
+        self.reference = reference
+        self.center = ({n: np.asarray(center[n], dtype=np.float32) for n in self.specs}
+                       if center is not None and aggregator == "centered_clip" else None)
+        self.radius = radius if radius is not None else NormBound(bound.multiplier or 1.5)
+        # fixed for the round, so the fold does not depend on the order updates arrive in, and a site
+        # given the same history clips exactly as the centre would (None: too few distances known yet)
+        self.tau = self.radius.bound() if self.center is not None else None
+        self.stream = StreamingMean(specs, normalize_steps=normalize_steps)
+        self.held: list[Held] = []
+        self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
+        self.centered: dict[str, tuple[float, float]] = {}  # device -> (distance, radius) of every centre-clipped one
+        self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
+        self.count = 0
+
+    @property
+    def streaming(self) -> bool:
+        return self.aggregator in STREAMING
+
+    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
+            norm: float | None = None) -> None:
+        """`norm`: the delta's L2 norm if the caller has it already (intake's hard bound)."""
+        if not weight > 0:
+            raise ValueError(f"aggregation weight must be positive, got {weight}")
+        norm = l2_norm(delta) if norm is None else norm
+        self.count += 1
+        bound = self.bound.bound()
+        if self.streaming and (bound is not None or not self.bound.enabled):
+            self._stream(device, delta, norm, bound, weight, steps)
+            return
+        self.held.append(Held(device, {n: np.asarray(a, dtype=np.float32) for n, a in delta.items()},
+                              weight, steps, norm))
+        if self.streaming and len(self.held) >= self.bound.warmup:
+            self._flush_held()  # a cold start holds at most `warmup` updates
+
+    def _stream(self, device: str, delta: Mapping[str, np.ndarray], norm: float, bound: float | None,
+                weight: float, steps: int) -> None:
+        clipped = self._clip(device, delta, norm, bound)
+        if self.center is not None:
+            clipped = self._center(device, clipped)
+        self.stream.add(clipped, weight, steps)
+
+    def _clip(self, device: str, delta: Mapping[str, np.ndarray], norm: float,
+              bound: float | None) -> Mapping[str, np.ndarray]:
+        if bound is None:
+            return delta
+        self.bound.record(min(norm, bound), device)
+        if norm <= bound:
+            return delta
+        self.clipped[device] = (norm, bound)
+        scale = bound / norm
+        return {name: a * scale for name, a in delta.items()}
+
+    def _center(self, device: str, delta: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """c + clip(delta - c, tau), tau from the distances of earlier rounds (none while they are few)."""
+        assert self.center is not None
+        offset = {name: np.asarray(delta[name], dtype=np.float32) - self.center[name] for name in self.specs}
+        distance = l2_norm(offset)
+        tau = self.tau
+        self.radius.record(distance if tau is None else min(distance, tau), device)
+        if tau is None or distance <= tau:
+            return delta
+        self.centered[device] = (distance, tau)
+        scale = tau / distance
+        return {name: self.center[name] + offset[name] * scale for name in self.specs}
+
+    def _flush_held(self) -> None:
+        """Clip the held (cold-start) deltas against their own median norm and stream them."""
+        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
+        held, self.held = self.held, []
+        for h in held:
+            self._stream(h.device, h.delta, h.norm, bound, h.weight, h.steps)
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The round's aggregate delta (called once, when the round closes)."""
+        if self.count == 0:
+            raise ValueError("no updates were folded in")
+        if self.streaming:
+            return self.streamed().mean()
+        clipped = self._clip_held()
+        if self.aggregator == "gated_mean":
+            for h, delta in self._gate(clipped):
+                self.stream.add(delta, h.weight, h.steps)
+            return self.stream.mean()
+        out = {}
+        for name in self.specs:
+            stack = np.stack([delta[name] for _, delta in clipped]).astype(np.float64)
+            out[name] = (np.median(stack, axis=0) if self.aggregator == "median"
+                         else trimmed_mean(stack, self.trim)).astype(np.float32)
+        return out
+
+    def _clip_held(self) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
+        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
+        clipped = [(h, self._clip(h.device, h.delta, h.norm, bound)) for h in self.held]
+        self.held = []
+        return clipped
+
+    def streamed(self) -> StreamingMean:
+        """A streaming fold's weighted sums, any held (cold-start) deltas folded in: what a site
+        aggregator sends up instead of the mean (see `partials`)."""
+        if not self.streaming:
+            raise ValueError(f"only the streaming folds ({', '.join(STREAMING)}) reduce to sums, "
+                             f"not {self.aggregator!r}")
+        self._flush_held()
+        return self.stream
+
+    def _gate(self, clipped: list[tuple[Held, Mapping[str, np.ndarray]]]) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
+        """Keep the deltas whose cosine with the round's coordinate-wise median is positive (at least
+        the most aligned half); record the others in `gated`."""
+        if len(clipped) < 3:
+            return clipped  # no majority to speak of
+        names = list(self.specs)
+        flat = np.stack([np.concatenate([np.ravel(d[n]) for n in names]) for _, d in clipped]).astype(np.float32)
+        reference = self.reference(names) if self.reference else np.median(flat, axis=0)
+        ref_norm = float(np.linalg.norm(reference)) or 1.0
+        cosines = flat @ reference / (np.linalg.norm(flat, axis=1).clip(min=1e-12) * ref_norm)
+        keep_at_least = -(-len(clipped) // 2)
+        ranked = np.argsort(-cosines)
+        kept = {int(i) for rank, i in enumerate(ranked) if cosines[i] > 0 or rank < keep_at_least}
+        for i, (h, _) in enumerate(clipped):
+            if i not in kept:
+                self.gated[h.device] = float(cosines[i])
+        return [item for i, item in enumerate(clipped) if i in kept]
+
+
+def trimmed_mean(stack: np.ndarray, trim: float) -> np.ndarray:
+    """Mean over axis 0 after dropping the `trim` fraction from each end (at least one value kept)."""
+    n = stack.shape[0]
+    k = min(int(np.floor(trim * n)), (n - 1) // 2)
+    if k == 0:
+        return stack.mean(axis=0)
+    ordered = np.sort(stack, axis=0)
+    return ordered[k:n - k].mean(axis=0)

@@ -1,0 +1,177 @@
+"""Operator subcommands of `broker-coordinator`: devices add|list|revoke|rotate, broker-config,
+serve-enrollment. Each reads the coordinator config (`--config`, default /etc/edgefl/coordinator.toml,
+or $EDGEFL_COORDINATOR_CONFIG)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from broker_coordinator.settings.config import DEFAULT_PATH, ENV_PREFIX, load_config
+
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+OPERATOR_COMMANDS = ("devices", "broker-config", "serve-enrollment")
+
+
+def build_operator_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="broker-coordinator")
+    add_operator_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"coordinator TOML config (default {DEFAULT_PATH} or $EDGEFL_COORDINATOR_CONFIG)")
+    parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
+
+
+def add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    devices = sub.add_parser("devices", help="register, list, revoke and rotate devices",
+                             description="Manage the devices of the federation named in the config.")
+    dsub = devices.add_subparsers(dest="devices_command", required=True)
+
+    add = dsub.add_parser("add", help="register a device and print its one-time enrollment token")
+    add.add_argument("name", help="device id (also its broker user name)")
+    _common(add)
+    add.set_defaults(run=run_add)
+
+    listing = dsub.add_parser("list", help="devices with state, online status, last seen and rounds contributed")
+    listing.add_argument("--no-probe", action="store_true", help="do not ask the broker who is online")
+    _common(listing)
+    listing.set_defaults(run=run_list)
+
+    revoke = dsub.add_parser("revoke", help="remove a device's credentials, kick its session, reject its updates")
+    revoke.add_argument("name")
+    _common(revoke)
+    revoke.set_defaults(run=run_revoke)
+
+    rotate = dsub.add_parser("rotate", help="new credentials and signing key; prints a new enrollment token")
+    rotate.add_argument("name")
+    _common(rotate)
+    rotate.set_defaults(run=run_rotate)
+
+    conf = sub.add_parser("broker-config", help="write the Mosquitto conf.d fragment, password and ACL files",
+                          description="Write the Mosquitto configuration fragment (listener, TLS when certificate "
+                                      "paths are configured, allow_anonymous false, password and ACL files, "
+                                      "max_packet_size sized to the model, one connection per user), the "
+                                      "password and ACL files, with the broker users of the coordinator, of "
+                                      "these tools and of serve-enrollment.")
+    conf.add_argument("--out", type=Path, default=None,
+                      help="fragment path (default: [broker] conf_file); with --site, the directory")
+    conf.add_argument("--site", default=None, metavar="NAME",
+                      help="write site NAME's files instead ([sites.NAME]: its broker's config with the bridge "
+                           "to this broker, its devices' credentials and ACL, its aggregator's config)")
+    conf.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
+    _common(conf)
+    conf.set_defaults(run=run_broker_config)
+
+    serve = sub.add_parser("serve-enrollment", help="redeem enrollment tokens until stopped (SIGTERM)",
+                           description="Connect to the broker (as the coordinator's enrollment user) and "
+                                       "answer devices running 'edge-agent enroll'. Not needed while "
+                                       "'broker-coordinator run' is up, which hosts the same desk.")
+    _common(serve)
+    serve.set_defaults(run=run_serve_enrollment)
+
+
+def _config(args: argparse.Namespace):  # noqa: ANN202 - a CoordinatorConfig
+    """--config, else $EDGEFL_COORDINATOR_CONFIG, else /etc/edgefl/coordinator.toml; [rounds] is not
+    needed here (and would import torch)."""
+    return load_config(args.config or Path(os.environ.get(f"{ENV_PREFIX}_CONFIG", DEFAULT_PATH)), with_rounds=False)
+
+
+def _print_token(name: str, text: str, token, note: str) -> None:  # noqa: ANN001
+    expires = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(token.expires))
+    print(f"device {name}: one-time enrollment token, valid until {expires} ({note}):")
+    print(text)
+    print("on the device: sudo edge-agent enroll <the token above>")
+
+
+def run_add(args: argparse.Namespace) -> int:
+    from broker_coordinator.access.devices import add_device
+    text, token, note = add_device(_config(args), args.name)
+    _print_token(args.name, text, token, note)
+    return 0
+
+
+def run_rotate(args: argparse.Namespace) -> int:
+    from broker_coordinator.access.devices import rotate_device
+    text, token, note = rotate_device(_config(args), args.name)
+    _print_token(args.name, text, token, f"old credentials dropped; {note}")
+    return 0
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    from broker_coordinator.access.devices import revoke_device
+    note = revoke_device(_config(args), args.name)
+    print(f"device {args.name} revoked: credentials removed, {note}; its updates are rejected from now on")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from broker_coordinator.access.devices import format_rows, list_devices
+    config = _config(args)
+    rows, note = list_devices(config, probe=not args.no_probe)
+    if not rows:
+        print(f"no devices in federation {config.federation.name}: add one with 'broker-coordinator devices add NAME'")
+        return 0
+    print(format_rows(rows))
+    if note:
+        print(f"note: {note}")
+    return 0
+
+
+def run_broker_config(args: argparse.Namespace) -> int:
+    from broker_coordinator.access.devices import reload_broker, write_broker_config
+    config = _config(args)
+    if args.site:
+        from broker_coordinator.access.site_files import bridge_cafile, write_site_files
+        written = write_site_files(config, args.site, args.out)
+        tls = "TLS" if bridge_cafile(config, args.site) else "no TLS"
+        print(f"wrote site {args.site}: {', '.join(str(p) for p in written)} (bridge to "
+              f"{config.broker.devices_host}:{config.broker.devices_port}, {tls}); on the site's machine: "
+              f"mosquitto -c {written[0]}, and broker-coordinator site-aggregator --config {written[3]}")
+        return 0
+    conf, limit = write_broker_config(config, args.out)
+    b = config.broker
+    tls = "TLS on" if b.tls else "no TLS (set [broker] tls_cert and tls_key to turn it on)"
+    local = f", local listener {b.port} for the coordinator" if b.devices_port != b.port else ""
+    print(f"wrote {conf} (listener {b.devices_port}{local}, {tls}, max_packet_size {limit}), "
+          f"{b.passwd_file} and {b.acl_file}")
+    if args.reload:
+        print(reload_broker(b))
+    return 0
+
+
+def run_serve_enrollment(args: argparse.Namespace) -> int:
+    from broker_coordinator.access.broker import BrokerError, desk_user
+    from broker_coordinator.access.devices import desk_client, open_registry
+    from broker_coordinator.access.enrollment import EnrollmentDesk
+    from edgefl_protocol.transport import BrokerUnavailable, connect
+    config = _config(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    client = desk_client(config)
+    try:
+        connect(client, config.broker.host, config.broker.port, timeout=10)
+    except BrokerUnavailable as exc:
+        hint = (f" (is the {desk_user(config.broker.username)} user in the password file? "
+                "'sudo broker-coordinator broker-config --reload' writes it)" if "refused" in str(exc) else "")
+        raise BrokerError(f"{exc}{hint}") from None
+    desk = EnrollmentDesk(config, open_registry(config), echo=lambda line: print(line, flush=True))
+    desk.attach(client)
+    print(f"enrollment desk for federation {config.federation.name} on {config.broker.host}:{config.broker.port}",
+          flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        desk.stop()
+        client.disconnect()
+        client.loop_stop()
+    return 0

@@ -1,0 +1,128 @@
+"""`broker-coordinator run`: the production loop, and `status`: the federation at a glance."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Callable
+
+from broker_coordinator.engine.buffered import coordinator_class
+from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, record_dict
+from broker_coordinator.reporting.metrics import Metrics
+from broker_coordinator.reporting.report import describe_scores, format_round
+from broker_coordinator.settings.config import CoordinatorConfig
+from broker_coordinator.storage.statelock import StateLock
+from broker_coordinator.storage.store import Store
+from edgefl_protocol import signing
+from models.datasets import load_npz
+from models.objectives import Objective
+
+log = logging.getLogger("broker_coordinator")
+DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex HMAC key", in the state dir
+
+
+def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    fed, b = config.federation, config.broker
+    objective = Objective.of(fed.task, fed.loss)
+    test_set = load_npz(fed.test_data, fed.task) if fed.test_data else None
+    metrics = Metrics()
+    if config.metrics.port:
+        metrics.serve(config.metrics.port, config.metrics.bind)
+    keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
+    lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
+    root_set = load_npz(fed.root_data, fed.task) if fed.root_data else None
+    kind, extra = coordinator_class(config.rounds), {}
+    if config.sites:  # a federation in sites: the coordinator tasks sites and combines their partials
+        from broker_coordinator.access.sites import site_key
+        from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
+        kind, extra = TreeCoordinator, {"sites": {name: SiteSpec(s.workers, site_key(b.password, name))
+                                                  for name, s in config.sites.items()}}
+    coordinator = kind(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
+                       store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
+                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, **extra)
+    stop = lambda *_: coordinator.stopping.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    coordinator.connect(b.host, b.port, b.username, b.password, keepalive=b.keepalive)
+    desk = attach_enrollment(config, coordinator)
+    echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
+         f"starting at round {coordinator.next_round}")
+    try:
+        while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
+            try:
+                record = coordinator.run_round()
+            except RoundFailed as exc:
+                if coordinator.stopping.is_set():
+                    break
+                log.error("%s; waiting before the next attempt", exc)
+                coordinator.stopping.wait(config.rounds.round_timeout)
+                continue
+            echo(format_round(record_dict(record), fed.rounds or record.round))
+    finally:
+        desk.stop()
+        coordinator.close()
+        lock.release()
+    echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
+    return 0
+
+
+def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # noqa: ANN201 - an EnrollmentDesk
+    """The device registry admits updates (unknown and revoked devices are rejected) and the
+    enrollment desk redeems tokens on the coordinator's own session."""
+    from broker_coordinator.access.enrollment import EnrollmentDesk
+    from broker_coordinator.access.registry import Registry
+    registry = Registry(config.registry_path)
+    coordinator.admission = registry.admission
+
+    by_hand = dict(coordinator.device_keys)  # keys provisioned by hand in device_keys.toml, if any
+
+    def refresh_keys() -> None:  # signed updates: the enrolled devices' keys (over any by hand), swapped in whole
+        coordinator.device_keys = {**by_hand, **registry.signing_keys(config.federation.name)}
+
+    refresh_keys()
+    desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())
+    assert coordinator.session is not None
+    desk.attach(coordinator.session.client)
+    return desk
+
+
+def rollback(config: CoordinatorConfig, to_round: int, echo: Callable[[str], None] = print) -> int:
+    """Make round `to_round`'s kept checkpoint the live one (the coordinator must be stopped)."""
+    with StateLock(config.storage.state_dir).acquire("roll back"):
+        store = Store(config.storage.state_dir, config.storage.keep_checkpoints)
+        try:
+            before = store.load_checkpoint()
+            ckpt = store.rollback(to_round)
+        finally:
+            store.close()
+    echo(f"rolled back from round {before.round if before else '?'} to round {ckpt.round}: model sha256 "
+         f"{ckpt.sha256[:12]}, served as version {ckpt.version}; the next 'run' starts at round {ckpt.round + 1}")
+    return 0
+
+
+def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    store = Store(config.storage.state_dir)
+    try:
+        ckpt = store.load_checkpoint()
+        rounds = [r for r in store.rounds() if r["closed"] in ("complete", "deadline")]
+        devices = store.devices()
+    finally:
+        store.close()
+    fed = config.federation
+    objective = Objective.of(fed.task, fed.loss)
+    echo(f"federation {fed.name!r}, model {fed.model} ({fed.task}, metric {objective.metric}), "
+         f"state in {config.storage.state_dir}")
+    if ckpt is None:
+        echo("no round finished yet")
+    else:
+        last = rounds[-1] if rounds else ckpt.record
+        echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
+             f"{describe_scores(last)}, {last['participants']}/{last['selected']} participants")
+    online = sum(1 for d in devices if d["online"])
+    echo(f"devices: {online} online of {len(devices)} seen")
+    for d in devices:
+        seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
+        echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
+             f"rounds contributed {d['rounds']}")
+    return 0

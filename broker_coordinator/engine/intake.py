@@ -1,0 +1,238 @@
+"""What the coordinator does with an answer from a device: validate it, bound it, fold it, and
+tell the device what became of it (its receipt).
+
+Every answer is hostile until validated: size cap, then the device's HMAC
+signature (before anything is parsed), then sender, federation, replay, round,
+attempt and model-version freshness, deadline, cohort, codec, shapes, finite
+values and the optional hard norm bound. A rejection is logged with its
+reason, counted per reason, sent back in the receipt, and never touches the
+global model. A mixin of `Coordinator`: it uses the coordinator's state
+(keys, admission, settings, trust bounds, the open round).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+from broker_coordinator.aggregation.robust import l2_norm
+from broker_coordinator.engine.rounds import Round
+from edgefl_protocol import codec, messages, topics
+from edgefl_protocol.errors import Rejected
+
+log = logging.getLogger("broker_coordinator")
+# an accepted update, judged: (delta, weight, steps, the weight's note, its norm if the hard bound took it)
+Judged = tuple[dict, float, int, str, float | None]
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+class UpdateIntake:
+    def _reject(self, device: str, reason: str, detail: str, current: Round | None = None) -> None:
+        self.rejections[reason] += 1
+        self.metrics.rejected.labels(reason).inc()
+        if current is not None:
+            current.rejected[reason] += 1
+        log.warning("update from %s rejected: %s: %s", device, reason, detail)
+
+    def _on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
+        self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
+        try:
+            answer = self._parse(device, data)
+        except Rejected as exc:  # not readable as this device's answer: nothing to address a receipt to
+            self._rejected(current, device, exc)
+            return
+        key = (answer.round, answer.attempt)
+        try:
+            judged = self._judge(current, device, answer, data, arrived)
+        except Rejected as exc:
+            # booked to the round and attempt it answered: an answer to a closed round is not the open
+            # round's rejection (it is logged, counted and stored under the round it names)
+            self._rejected(self._books_to(current, key), device, exc, key)
+            self._receipt(device, key, exc)
+            return
+        if judged is not None:  # None: the same accepted update again (our receipt was lost): answer it again
+            assert current is not None
+            self._fold(current, device, answer, judged, len(data), hashlib.sha256(data).hexdigest())
+        self._receipt(device, key, None)
+
+    def _rejected(self, current: Round | None, device: str, exc: Rejected,
+                  answered: tuple[int, int] | None = None) -> None:
+        """Count and log a rejection; book it to `current` (the round it answered, or for an unreadable
+        message the round it arrived in) and store it under the (round, attempt) it answered."""
+        self._reject(device, exc.reason, exc.detail, current)
+        where = answered or ((current.number, current.attempt) if current is not None else None)
+        if self.store and where is not None:
+            self.store.record_device_round(*where, device, False, exc.reason, None)
+
+    def _fold(self, current: Round, device: str, answer: messages.Answer,
+              judged: Judged | messages.Refusal | messages.EvalReport, size: int,
+              digest: str) -> None:
+        if isinstance(answer, messages.EvalReport):
+            current.evaluations[device] = (answer.score, answer.loss, answer.count)
+            current.answered.add(device)
+            self.accepted[(device, answer.round, answer.attempt)] = digest
+            current.device_metrics[device] = {f"eval_{answer.metric}": answer.score, "eval_loss": answer.loss,
+                                              "eval_count": answer.count}
+            if self.store:
+                self.store.record_device_round(answer.round, answer.attempt, device, True, None,
+                                               current.device_metrics[device])
+            return
+        if isinstance(answer, messages.Refusal):
+            current.refused[device] = f"{answer.reason}: {answer.detail}"
+            log.warning("%s refused round %d (attempt %d): %s: %s", device, answer.round, answer.attempt,
+                        answer.reason, answer.detail)
+            if self.store:
+                self.store.record_device_round(answer.round, answer.attempt, device, False,
+                                               f"refused:{answer.reason}", {"detail": answer.detail})
+            return
+        assert not isinstance(judged, messages.Refusal)
+        delta, weight, steps, weight_note, norm = judged
+        if weight_note:
+            current.weights_clipped += 1
+        current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps, norm=norm)
+        if self.extras is not None:
+            self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
+        self.server_rule.observe(device, answer.num_samples, answer.metrics)
+        # a device evaluates the model it received: it counts towards the round's (the version's) score
+        # only if that is the version the round is built on (buffered: a stale update measured another)
+        if (evaluation := self._evaluation_in(device, answer.metrics)) is not None \
+                and answer.model_version == current.base_version:
+            current.evaluations[device] = evaluation
+        current.answered.add(device)
+        self.accepted[(device, answer.round, answer.attempt)] = digest  # the task answered (buffered: not current's)
+        current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)
+        current.bytes_up += size
+        self.last_metrics[device] = dict(answer.metrics)
+        self.metrics.accepted.inc()
+        self.metrics.bytes_up.inc(size)
+        if self.store:
+            self.store.record_device_round(answer.round, answer.attempt, device, True, None,
+                                           current.device_metrics[device])
+
+    def _evaluation_in(self, device: str, metrics: dict) -> tuple[float, float, int] | None:
+        """The received model's evaluation an update carries when the task asked for one (eval_score,
+        eval_loss, eval_count); a malformed one is left out of the round's evaluation, with a log line."""
+        if "eval_count" not in metrics:
+            return None
+        score, loss, count = metrics.get("eval_score"), metrics.get("eval_loss"), metrics.get("eval_count")
+        named = metrics.get("eval_metric")
+        if (not isinstance(count, int) or isinstance(count, bool) or count <= 0
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (score, loss))
+                or named != self.objective.metric):
+            log.warning("update from %s: its evaluation (eval_metric %r, eval_score %r, eval_count %r) is not a "
+                        "%s measurement; left out of the round's evaluation", device, named, score, count,
+                        self.objective.metric)
+            self.metrics.rejected.labels("evaluation").inc()
+            return None
+        return float(score), float(loss), count
+
+    def _receipt(self, device: str, answer: tuple[int, int], rejected: Rejected | None) -> None:
+        """Tell the device what became of its answer (round, attempt), so that it stops resending, or
+        says why in its log."""
+        if self.session is None:
+            return
+        receipt = messages.Receipt(*answer, rejected is None, rejected.reason if rejected else "",
+                                   rejected.detail[:1000] if rejected else "")
+        self.session.publish(topics.receipt(self.fed, device), messages.encode("receipt", receipt), qos=1)
+
+    def _weight_and_steps(self, device: str, update: messages.Update) -> tuple[float, int, str]:
+        steps = update.metrics.get("steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise Rejected("schema", f"metric 'steps' must be a positive integer, got {steps!r}")
+        trusted = self.sample_weights.weigh(device, update.num_samples)
+        if trusted.note:
+            self.metrics.bounded.labels("weight").inc()
+            log.info("update from %s: %s", device, trusted.note)  # routine for a large shard; counted
+        try:
+            weight = float(self.server_rule.weight(trusted.weight, update.metrics))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Rejected("schema", f"metrics unusable by {self.algorithm.name}: {exc}") from None
+        if not (weight > 0 and weight < float("inf")):
+            raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
+        return weight, steps, trusted.note
+
+    def _parse(self, device: str, data: bytes) -> messages.Answer:
+        """Admission, size cap and the device's signature (before anything is parsed), then the header."""
+        refused = self.admission(device) if self.admission else None
+        if refused:
+            raise Rejected(*refused)
+        answer = messages.decode_answer(data, self.max_update_bytes, self.device_keys.get(device), device)
+        if answer.device != device:
+            raise Rejected("sender", f"topic says {device} but the update claims {answer.device}")
+        if answer.federation != self.fed:
+            raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
+        return answer
+
+    def _judge(self, current: Round | None, device: str, answer: messages.Answer, data: bytes,
+               arrived: float) -> Judged | messages.Refusal | messages.EvalReport | None:
+        """A readable answer: replay, freshness, then for an update its tensors, weight, steps, the
+        weight's note and, when the hard bound needed it, the delta's norm (the fold reuses it).
+        None for a resend of an update already accepted in the open round. Raises Rejected."""
+        key = (device, answer.round, answer.attempt)
+        if key in self.accepted:
+            still_open = self._still_open(current, answer.round, answer.attempt)
+            if still_open and self.accepted[key] == hashlib.sha256(data).hexdigest():
+                log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
+                         device, answer.round, answer.attempt)
+                return None
+            raise Rejected("replay", f"{device} already had an update accepted for round {answer.round} "
+                                     f"(attempt {answer.attempt})")
+        self._check_fresh(current, device, answer, arrived)
+        if isinstance(answer, messages.Refusal):
+            return answer
+        assert current is not None  # _check_fresh rejects an answer when no round is open
+        if isinstance(answer, messages.EvalReport) != (not current.train):
+            asked = "an update" if current.train else "an evaluation report (evaluation-only round)"
+            raise Rejected("schema", f"round {current.number} asked {device} for {asked}")
+        if isinstance(answer, messages.EvalReport):
+            if answer.metric != self.objective.metric:
+                raise Rejected("schema", f"evaluation report measures {answer.metric!r}; this federation's "
+                                         f"metric is {self.objective.metric!r}")
+            return answer
+        released = getattr(self, "released_sha", {}).get(answer.model_version)
+        reported = answer.metrics.get("model_sha")
+        if released and isinstance(reported, str) and reported and not released.startswith(reported):
+            raise Rejected("wrong_base", f"update was trained on model {reported[:16]}, but version "
+                                         f"{answer.model_version} is {released[:16]} (a model of an earlier run?)")
+        if answer.codec != codec.parse(self.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.settings.codec!r}")
+        delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.specs, **self.extra_specs},
+                             self.max_values)
+        bound, norm = self.settings.max_update_norm, None
+        if bound and (norm := l2_norm({name: delta[name] for name in self.specs})) > bound:
+            raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
+        return (delta, *self._weight_and_steps(device, answer), norm)
+
+    def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
+        """The open round a rejected answer to `answered` counts against: the one it answered, if open."""
+        return current if current is not None and (current.number, current.attempt) == answered else None
+
+    def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
+        """Whether an accepted answer to (round, attempt) is still in the open aggregate (a resend of it
+        is answered again, not rejected as a replay)."""
+        return current is not None and (current.number, current.attempt) == (round_no, attempt)
+
+    def _check_fresh(self, current: Round | None, device: str, answer: messages.Answer, arrived: float) -> None:
+        if answer.round in self.closed_at and (current is None or answer.round != current.number):
+            raise Rejected("late", f"round {answer.round} closed at {_clock(self.closed_at[answer.round])}, "
+                                   f"update arrived {_clock(arrived)}")
+        if current is None or answer.round != current.number:
+            open_round = f"round {current.number} is open" if current else "no round is open"
+            raise Rejected("stale", f"update is for round {answer.round}; {open_round}")
+        if answer.attempt != current.attempt:
+            raise Rejected("stale", f"update is for attempt {answer.attempt} of round {answer.round}; "
+                                    f"attempt {current.attempt} is open")
+        if arrived > current.deadline:
+            raise Rejected("late", f"round {current.number} closed at {_clock(current.deadline)}, "
+                                   f"update arrived {_clock(arrived)}")
+        if device not in current.cohort:
+            raise Rejected("not_selected", f"{device} was not selected for round {current.number}")
+        if device in current.answered or device in current.refused:
+            raise Rejected("duplicate", f"{device} already answered round {current.number}")
+        if not isinstance(answer, messages.Refusal) and answer.model_version != current.base_version:
+            raise Rejected("stale", f"update was trained on model version {answer.model_version}, "
+                                    f"round {current.number} distributed version {current.base_version}")

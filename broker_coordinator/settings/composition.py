@@ -1,0 +1,80 @@
+"""Which features run together: the one check of a federation's composition, at config load.
+
+A feature either works in every schedule (`sync`, `buffered`) and topology (`flat`, `sites`), or
+one rule here refuses the combination with its reason. `run`, `simulate`, `site-aggregator` and
+`broker-config` all load their settings through it (`RoundSettings.validate` for the schedule,
+`config.load` and `TreeCoordinator` for the topology), so a refusal is worded once and always
+comes before anything starts. docs/ARCHITECTURE.md lists `RULES` ("What runs together").
+
+Each rule says whether its reason is mathematical (the combination cannot be defined) or that the
+combination is not built yet (it could be; nothing was built or measured for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from broker_coordinator.settings.choices import STREAMING, TOPOLOGIES
+from edgefl_protocol import algorithms
+
+if TYPE_CHECKING:
+    from broker_coordinator.settings.round_settings import RoundSettings
+
+
+@dataclass(frozen=True)
+class Rule:
+    combination: str  # what is refused, in config keys
+    kind: str  # "mathematical" | "not built"
+    reason: str
+    applies: Callable[[RoundSettings, str], bool]
+    fix: str  # what to set instead
+    detail: Callable[[RoundSettings], str] | None = None  # the settings' own words, when they have them
+
+
+def _async_refusal(s: RoundSettings) -> str:
+    return algorithms.get(s.algorithm).server(s.task_hparams(1)).asynchronous_refusal()
+
+
+RULES: tuple[Rule, ...] = (
+    Rule('topology sites + aggregator gated_mean | trimmed_mean | median', "mathematical",
+         "a site sends up sums, and these folds need every delta of the round in one place (a coordinate-"
+         "wise median is not a sum)",
+         lambda s, t: t == "sites" and s.aggregator not in STREAMING,
+         f"aggregator = one of {', '.join(STREAMING)} (each judges an update as it arrives, at a site as at "
+         "the centre)"),
+    Rule('mode buffered + topology sites', "not built",
+         "site aggregators fold per round; buffered versions through sites were not built",
+         lambda s, t: t == "sites" and s.mode == "buffered",
+         'mode = "sync", or remove the [sites.*] sections'),
+    Rule('mode buffered + algorithm feddyn | fedsmoo | dynsam with its duals', "not built",
+         "the server keeps a dual that grows by each round's mean delta over a known population, and each "
+         "device's dual must stay the sum of what the server folded; stale, damped updates break both "
+         "until duals are tied to the version they were trained on",
+         lambda s, t: s.mode == "buffered" and bool(_async_refusal(s)),
+         'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
+         'dual = 0 and global_perturbation = 0)',
+         lambda s: f'algorithm = "{s.algorithm}": {_async_refusal(s)}'),
+    Rule('mode buffered + eval_only_every', "mathematical",
+         "buffered mode has no rounds to pause for an evaluation",
+         lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,
+         "eval_only_every = 0"),
+
+)
+
+
+def refusals(settings: RoundSettings, topology: str = "flat") -> list[Rule]:
+    """The rules that refuse these settings in this topology (empty: they compose)."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+    return [rule for rule in RULES if rule.applies(settings, topology)]
+
+
+def check(settings: RoundSettings, topology: str = "flat") -> None:
+    """Raise ValueError naming every refused combination, its reason and what to set instead."""
+    refused = refusals(settings, topology)
+    if refused:
+        raise ValueError("; ".join(f"{r.combination} is refused ({r.kind}: "
+                                   f"{r.detail(settings) if r.detail else r.reason}); set {r.fix}"
+                                   for r in refused))

@@ -1,0 +1,187 @@
+"""What a round is run with (`RoundSettings`: the `[rounds]` section of the coordinator's config,
+validated at start-up) and what it leaves behind (`RoundRecord`, one per attempt)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker_coordinator.settings import composition
+from broker_coordinator.settings.choices import (
+    AGGREGATORS,
+    DEFAULT_AGGREGATOR,
+    EVALUATE_MODES,
+    MODES,
+    POLICIES,
+    STALENESS_WEIGHTS,
+    WEIGHTINGS,
+)
+from edgefl_protocol import algorithms, codec, delta_downlink, downlink
+from edgefl_protocol.errors import Rejected
+from edgefl_protocol.task_limits import check_training
+
+
+@dataclass
+class RoundSettings:
+    algorithm: str = algorithms.DEFAULT_ALGORITHM
+    clients_per_round: int = 0  # 0: every eligible device
+    selection: str = "random"
+    local_epochs: int = 0  # 0: each device chooses from its measured speed and the deadline (the field default)
+    batch_size: int = 32
+    lr: float = 0.05
+    lr_decay: float = 0.998  # per round
+    momentum: float = 0.0
+    weight_decay: float = 1e-3
+    grad_clip: float = 10.0
+    round_timeout: float = 300.0  # seconds from task to deadline
+    min_updates: int = 1  # quorum needed to close a round at its deadline
+    max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
+    normalize_steps: bool = False  # FedNova-style normalization by local steps
+    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
+    model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
+    model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
+    # "delta": a device holding one of the last downlink_chain versions gets lossy deltas in
+    # downlink_codec, "full": every device fetches the whole model (edgefl_protocol/delta_downlink.py)
+    downlink: str = delta_downlink.DEFAULT_MODE
+    downlink_codec: str = delta_downlink.DEFAULT_CODEC
+    downlink_chain: int = delta_downlink.DEFAULT_CHAIN
+    max_update_norm: float = 0.0  # reject deltas whose L2 norm exceeds this; 0 = no hard bound
+    # what a device's update may weigh and how far it may move the model (see broker_coordinator/aggregation/trust.py)
+    weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
+    weight_cap: float = 2.0  # capped: at most this times the median trusted sample count
+    norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
+    # centered_clip | mean (both streaming, O(model)) | gated_mean | trimmed_mean | median (see broker_coordinator/aggregation/robust.py)
+    aggregator: str = DEFAULT_AGGREGATOR
+    trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
+    reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
+    serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
+    # where the global model is evaluated: "central" (the coordinator's test set), "devices" (each selected
+    # device on its held-out slice, sample-weighted), "both", or "auto" (central when there is a test set,
+    # else devices)
+    evaluate: str = "auto"
+    eval_only_every: int = 0  # every Nth round only evaluates on the devices (no training); 0 = never
+    hparams: dict[str, float] = field(default_factory=dict)  # algorithm-specific, over its defaults
+    # "sync": lock-step rounds; "buffered": FedBuff-style asynchronous versions (see broker_coordinator/engine/buffered.py)
+    mode: str = "sync"
+    buffer_size: int = 5  # buffered: accepted updates per applied version (FedBuff's K)
+    max_staleness: int = 4  # buffered: accept updates trained up to this many versions ago (S); older are dropped
+    staleness_weight: str = "inverse_sqrt"  # buffered: an update s versions old counts 1/sqrt(1+s), or 1 ("constant")
+
+    def validate(self) -> None:
+        algorithm = algorithms.get(self.algorithm)
+        unknown = sorted(set(self.hparams) - set(algorithm.defaults))
+        if unknown:
+            raise ValueError(f"{self.algorithm} has no hyper-parameter {', '.join(unknown)}; "
+                             f"it takes {', '.join(sorted(algorithm.defaults)) or 'none'}")
+        checks = [
+            (self.clients_per_round >= 0, "clients_per_round must be >= 0 (0 = all eligible devices)"),
+            (self.selection in POLICIES, f"selection must be one of {', '.join(POLICIES)}"),
+            (self.local_epochs >= 0, "local_epochs must be >= 0 (0 = chosen by each device)"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.lr > 0, "lr must be > 0"),
+            (0 < self.lr_decay <= 1, "lr_decay must be in (0, 1]"),
+            (0 <= self.momentum < 1, "momentum must be in [0, 1)"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.round_timeout > 0, "round_timeout must be > 0"),
+            (self.min_updates >= 1, "min_updates must be >= 1"),
+            (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
+            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
+            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
+            (self.weighting in WEIGHTINGS, f"weighting must be one of {', '.join(WEIGHTINGS)}"),
+            (self.weight_cap >= 1, "weight_cap must be >= 1 (times the median trusted sample count)"),
+            (self.norm_bound == 0 or self.norm_bound >= 1, "norm_bound must be 0 (off) or >= 1 (times the median "
+                                                           "norm of recent updates)"),
+            (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
+            (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
+            (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
+            (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
+                                          "average of global models; 0 = serve the last global model)"),
+            (self.evaluate in EVALUATE_MODES, f"evaluate must be one of {', '.join(EVALUATE_MODES)}"),
+            (self.eval_only_every >= 0, "eval_only_every must be >= 0 (0 = no evaluation-only rounds)"),
+            (self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.mode == "buffered":
+            check_buffered(self)
+        composition.check(self, "flat")  # the schedule's compositions; config.load adds the topology's
+        try:  # the ranges every agent enforces: a task they would all refuse is a config error here
+            check_training(self.task_hparams(1))
+        except Rejected as exc:
+            raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
+        codec.parse(self.codec)
+        downlink.check_model_codec(self.model_codec)
+        delta_downlink.check_settings(self.downlink, self.downlink_codec, self.downlink_chain, self.model_codec)
+
+    def evaluation(self, has_test_set: bool) -> tuple[bool, bool]:
+        """(central, on devices): where each round's model is evaluated. Raises ValueError when the
+        operator asked for a central evaluation without a test set."""
+        if self.evaluate == "central" and not has_test_set:
+            raise ValueError("evaluate = \"central\" needs a test set: set [federation] test_data, or use "
+                             "\"devices\" (the devices' held-out slices)")
+        central = has_test_set and self.evaluate in ("auto", "central", "both")
+        devices = self.evaluate in ("devices", "both") or (self.evaluate == "auto" and not has_test_set)
+        return central, devices
+
+    def evaluation_only(self, round_no: int) -> bool:
+        """Whether the operator scheduled this round to evaluate on the devices without training."""
+        return self.eval_only_every > 0 and round_no % self.eval_only_every == 0
+
+    def task_hparams(self, round_no: int) -> dict[str, float]:
+        algorithm = algorithms.get(self.algorithm)
+        return {
+            **algorithm.defaults, **self.hparams,
+            "local_epochs": self.local_epochs, "batch_size": self.batch_size,
+            "lr": self.lr * self.lr_decay ** (round_no - 1), "momentum": self.momentum,
+            "weight_decay": self.weight_decay, "grad_clip": self.grad_clip,
+        }
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    attempt: int
+    participants: int
+    selected: int
+    accuracy: float
+    loss: float
+    bytes_up: int
+    seconds: float
+    rejected: dict[str, int]
+    closed: str  # "complete" | "deadline" | "abandoned"
+    base_sha256: str
+    model_sha256: str
+    devices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)  # {"norm": n, "weight": m}: bounded, not rejected
+    refused: dict[str, str] = field(default_factory=dict)  # device -> why it refused the task
+    reason: str = ""
+    metric: str = "accuracy"  # the task's metric (models.objectives): accuracy, mse or mae
+    score: float = float("nan")  # the central evaluation's metric; NaN without a test set
+    # the devices' evaluation of the model this round started from, sample-weighted:
+    # {"metric", "score", "loss", "count", "devices", "model_version"}; {} when devices did not evaluate
+    federated: dict[str, Any] = field(default_factory=dict)
+    kind: str = "train"  # "train", or "evaluate" for an evaluation-only round
+    bytes_down: int = 0  # model bytes the participants report receiving since their last update
+    global_score: float | None = None  # downlink = "delta": `score` of the server rule's G (`score` is B's)
+
+
+def served_algorithms() -> list[str]:
+    """Algorithms whose server rule (with default hyper-parameters) can fold stale updates."""
+    return sorted(name for name, a in algorithms.ALGORITHMS.items()
+                  if not a.server(dict(a.defaults)).asynchronous_refusal())
+
+
+def check_buffered(settings: RoundSettings) -> None:
+    """The ranges of [rounds] keys of mode = "buffered"; a ValueError names the key at fault. What
+    buffered mode runs together with is `composition`'s to say."""
+    checks = [
+        (settings.buffer_size >= 1, "buffer_size must be >= 1 (accepted updates per applied version)"),
+        (settings.max_staleness >= 0, "max_staleness must be >= 0 (versions an update may lag behind; "
+                                      "0 accepts only updates trained on the current version)"),
+        (settings.staleness_weight in STALENESS_WEIGHTS,
+         f"staleness_weight must be one of {', '.join(STALENESS_WEIGHTS)}, got {settings.staleness_weight!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

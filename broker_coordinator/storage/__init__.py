@@ -1,0 +1,3 @@
+"""What survives a restart: checkpoints and the rounds database (`store`), the state directory's
+lock (`statelock`). May import `settings`.
+"""
