@@ -24,9 +24,10 @@ so receipts, the replay guard and the agent's bookkeeping work unchanged.
 Several versions are in flight at once: a release stays retained while a task
 that names it is outstanding and within S versions of the newest.
 
-Algorithms whose server state assumes one aggregation per round over a known
-population (FedDyn's and FedSMOO's dual H, DynSAM with its dual) are refused
-at start-up (`ServerRule.asynchronous_refusal`).
+Every algorithm runs: a server rule's state is updated once per applied version from the
+version's damped step (FedDyn's, FedSMOO's and DynSAM's dual H grows by it times the share of the
+population the buffer folded), and each device's dual adds the delta it trained from the version
+its task named.
 """
 
 from __future__ import annotations

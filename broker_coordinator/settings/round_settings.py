@@ -166,12 +166,6 @@ class RoundRecord:
     global_score: float | None = None  # downlink = "delta": `score` of the server rule's G (`score` is B's)
 
 
-def served_algorithms() -> list[str]:
-    """Algorithms whose server rule (with default hyper-parameters) can fold stale updates."""
-    return sorted(name for name, a in algorithms.ALGORITHMS.items()
-                  if not a.server(dict(a.defaults)).asynchronous_refusal())
-
-
 def check_buffered(settings: RoundSettings) -> None:
     """The ranges of [rounds] keys of mode = "buffered"; a ValueError names the key at fault. What
     buffered mode runs together with is `composition`'s to say."""

@@ -68,7 +68,12 @@ class Client(DualState, ClientRule):
 
 
 class DualServer(ServerRule):
-    """theta_{t+1} = theta_t + mean delta + H, with H the population mean of the client duals."""
+    """theta_{t+1} = theta_t + mean delta + H, with H the population mean of the client duals.
+
+    In buffered mode a "round" is one applied version: H grows by the version's damped mean step
+    times the share of the population it folded, so a stale update enters H with its staleness
+    factor exactly as it enters the step; each device's h_k adds the delta it trained from the
+    version its task named (the server's mean of what it folded, as in sync rounds)."""
 
     def __init__(self, hparams: Mapping[str, Scalar]):
         super().__init__({**DEFAULT_HPARAMS, **hparams})
@@ -86,11 +91,6 @@ class DualServer(ServerRule):
 
     def state(self) -> dict:
         return {"H": self.H} if self.H is not None else {}
-
-    def asynchronous_refusal(self) -> str:
-        return ("its server dual H grows by each round's mean delta scaled by the round's share of a known "
-                "population, and each device's dual h_k must stay the sum of the deltas the server folded; "
-                "updates trained on older versions, weighted down for staleness or dropped, break both")
 
     def load_state(self, state) -> None:
         if "H" in state:
