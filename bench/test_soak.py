@@ -6,9 +6,11 @@
 A CPU hog (one busy-loop process per core, at the niceness this script runs with: `make test-soak`
 runs it at 0) competes with the tests for the whole time; it is stopped exactly by the PIDs this
 script started. Each run is `python -m pytest -q -p no:cacheprovider --junitxml=...` (xunit1, so each
-case names its file) into a temporary directory; failed or errored cases are counted by test id.
-`--keep-logs` keeps each run's log and xml. The whole suite writes bench/results/test_soak.json and test_soak.md; `--only` runs just the named
-tests and prints the counts without writing the result files.
+case names its file) into a temporary directory; failed or errored cases are counted by test id
+(`--keep-logs` keeps each run's log and xml). The whole suite writes bench/results/test_soak.json
+and test_soak.md after every run, so a soak stopped early keeps the runs it finished ("runs" says
+how many, "runs_requested" how many were asked for); `--only` runs just the named tests and prints
+the counts without writing the result files.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def run_suite(out: Path, index: int, tests: list[str]) -> tuple[float, list[str]
 def write_markdown(result: dict, path: Path) -> None:
     lines = ["# Test soak", "",
              f"Written by `{result['measured_with']['command']}` at commit `{result['measured_with']['commit'][:12]}`: "
-             f"the whole suite {result['runs']} times while {result['load']} kept every core busy.", "",
+             f"the whole suite {result['runs']} time{'s' if result['runs'] != 1 else ''} (of {result['runs_requested']} requested) while {result['load']} kept every core busy.", "",
              "| run | seconds | failed |", "| --- | ---: | ---: |"]
     for k, (seconds, failed) in enumerate(zip(result["seconds"], result["failed_per_run"]), 1):
         lines.append(f"| {k} | {seconds:.0f} | {failed} |")
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # a SIGTERM (make interrupted, a job stopped) must still stop the hog: turn it into an exception
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    command = "python -m bench.test_soak --runs " + str(args.runs) + "".join(f" --only {t}" for t in args.only)
     seconds, per_run, failures = [], [], Counter()
     with tempfile.TemporaryDirectory(prefix="edgefl-soak-") as scratch, Hog(args.cores) as hog:
         tmp = tempfile.mkdtemp(prefix="edgefl-soak-logs-") if args.keep_logs else scratch
@@ -147,18 +150,19 @@ def main(argv: list[str] | None = None) -> int:
             seconds.append(round(took, 1))
             per_run.append(len(failed))
             failures.update(failed)
-    command = "python -m bench.test_soak --runs " + str(args.runs) + "".join(f" --only {t}" for t in args.only)
-    result = {"measured_with": {"commit": commit(), "command": command, "load": load},
-              "runs": args.runs, "load": load, "seconds": seconds, "failed_per_run": per_run,
-              "failures": dict(sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])))}
+            # after every run, so that a soak stopped early keeps the runs it finished ("runs" says how many)
+            result = {"measured_with": {"commit": commit(), "command": command, "load": load},
+                      "runs": index, "runs_requested": args.runs, "load": load, "seconds": seconds,
+                      "failed_per_run": per_run,
+                      "failures": dict(sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])))}
+            if not args.only:
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                (RESULTS / "test_soak.json").write_text(json.dumps(result, indent=1) + "\n")
+                write_markdown(result, RESULTS / "test_soak.md")
     print(json.dumps({k: result[k] for k in ("runs", "seconds", "failures")}, indent=1))
     if not args.only:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "test_soak.json").write_text(json.dumps(result, indent=1) + "\n")
-        write_markdown(result, RESULTS / "test_soak.md")
         print(f"wrote {RESULTS / 'test_soak.json'} and test_soak.md")
     return 1 if failures else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
