@@ -112,9 +112,11 @@ def run_suite(out: Path, index: int, tests: list[str]) -> tuple[float, list[str]
 
 
 def write_markdown(result: dict, path: Path) -> None:
+    runs, made = result["runs"], result["measured_with"]
     lines = ["# Test soak", "",
-             f"Written by `{result['measured_with']['command']}` at commit `{result['measured_with']['commit'][:12]}`: "
-             f"the whole suite {result['runs']} time{'s' if result['runs'] != 1 else ''} (of {result['runs_requested']} requested) while {result['load']} kept every core busy.", "",
+             f"Written by `{made['command']}` at commit `{made['commit'][:12]}`: the whole suite "
+             f"{runs} time{'s' if runs != 1 else ''} (of {result['runs_requested']} requested) "
+             f"while {result['load']} kept every core busy.", "",
              "| run | seconds | failed |", "| --- | ---: | ---: |"]
     for k, (seconds, failed) in enumerate(zip(result["seconds"], result["failed_per_run"]), 1):
         lines.append(f"| {k} | {seconds:.0f} | {failed} |")
