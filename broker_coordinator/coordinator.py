@@ -137,7 +137,7 @@ class Coordinator(UpdateIntake, DevicePresence):
             self._resume(store)
 
     def _resume(self, store: Store) -> None:
-        ckpt = store.load_checkpoint()
+        ckpt = store.recover_checkpoint()
         if ckpt is None:
             return
         if ckpt.arch != self.arch:
