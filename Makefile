@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-quick, attacks, fault-drill, scale, spool, pi-check, service-check.
+# field, field-quick, test-soak, attacks, fault-drill, scale, spool, pi-check, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
@@ -28,8 +28,9 @@ EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
 SCALE_ARGS ?=
+SOAK_ARGS ?=
 
-.PHONY: composition demo test setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
+.PHONY: composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -48,6 +49,9 @@ test: setup mosquitto
 
 composition: setup mosquitto  # bench/results/composition.json, .md: every cell of the engine's choices, real brokers and agents (~30 minutes)
 	nice -n 5 $(BIN)/python -m bench.composition $(COMPOSITION_ARGS)
+
+test-soak: setup mosquitto  # bench/results/test_soak.json, test_soak.md (the suite 5 times with every core busy; 30+ minutes)
+	$(BIN)/python -m bench.test_soak $(SOAK_ARGS)
 
 # benchmarks too slow for `make test`; each writes its results to bench/results/
 attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)

@@ -126,7 +126,6 @@ def test_two_enrolls_with_one_token_one_wins_and_the_other_writes_nothing(server
 def test_answers_echo_the_requests_nonce(server, desk):
     """Two requests with one token on one session: the first redeems it, the second is told `used`,
     each answer carrying its own request's nonce; a retry of the winning request is answered ok again."""
-    import threading
     from .conftest import Recorder
     token = proto.decode_token(server.add("pi-07"))
     session = Recorder(make_client("pi-07", "pi-07", token.password))
@@ -157,12 +156,14 @@ def test_expired_one_time_password_is_removed_from_the_broker_when_it_expires(se
     try:
         token = proto.decode_token(server.add("pi-07"))
         server.add("pi-08")  # valid for a day: stays
-        with registry.connect() as db:
-            db.execute("UPDATE devices SET token_expires = ? WHERE name = 'pi-07'", (time.time() + 2.5,))
         one_time = make_client("pi-07", "pi-07", token.password)
-        connect(one_time, "127.0.0.1", server.port, timeout=5)  # still valid
+        connect(one_time, "127.0.0.1", server.port, timeout=5)  # valid until it expires
         one_time.disconnect()
         one_time.loop_stop()
+        # the expiry is set after that connection, not before it: a connection racing a 2.5-second
+        # expiry failed whenever the machine was slow enough to take longer than that
+        with registry.connect() as db:
+            db.execute("UPDATE devices SET token_expires = ? WHERE name = 'pi-07'", (time.time() + 1.5,))
         give_up = time.monotonic() + 10
         while not lines and time.monotonic() < give_up:
             time.sleep(0.1)

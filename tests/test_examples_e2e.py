@@ -95,17 +95,24 @@ def test_sensor_example_learns_from_growing_spools(tmp_path):
     trained = {d for r in rounds for d, v in r["devices"].items() if v.get("num_samples", 0) > 0}
     assert trained == set(devices)
 
-    # the spools grew while the federation ran, the agents kept reading what was new, and
-    # consume = "delete" kept no more on disk than the window (256 windows = 32 files of 8)
+    # the spools grew while the federation ran and the agents kept reading what was new. Every
+    # assertion holds at any speed: how many files a generator wrote by a given round depends on
+    # the machine, so the checks relate what the agent logged to what is on disk, never to a count.
     for k, (device, spool) in enumerate(zip(devices, spools)):
         written = int((tmp_path / f"generator-{k}.log").read_text().split("stopped after ")[1].split()[0])
-        assert written > 32
         log = (tmp_path / "result" / "run" / "devices" / device / "agent.log").read_text()
         reads = [line for line in log.splitlines() if "local data: spool" in line]
+        samples = [int(line.split(" samples in window (")[0].rsplit(" ", 1)[1].replace(",", "")) for line in reads]
         new_files = [int(line.split(" samples in window (")[1].split()[0]) for line in reads]
-        assert sum(n > 0 for n in new_files) >= 2, reads  # read again what had arrived since
-        assert "256 samples in window" in reads[-1], reads  # bounded by the window, and filled
-        assert len(list((spool / "consumed").glob("*.npz"))) <= 33
+        assert new_files[0] > 0 and any(n > 0 for n in new_files[1:]), reads  # read again what had arrived since
+        # the window: every file read (8 windows each) until it holds 256, then bounded by it
+        read_so_far = np.cumsum(new_files)
+        assert samples == [min(256, 8 * int(n)) for n in read_so_far], reads
+        # nothing lost or read twice: each file the generator wrote was read once, or is still waiting
+        waiting = len(list(spool.glob("*.npz")))
+        assert written == read_so_far[-1] + waiting, (written, reads, waiting)
+        # consume = "delete": the disk keeps exactly the files whose windows are in the window
+        assert len(list((spool / "consumed").glob("*.npz"))) == samples[-1] // 8, reads
 
 
 def test_regression_example_is_evaluated_on_the_devices(tmp_path):

@@ -150,6 +150,30 @@ def test_rollback_goes_back_under_a_new_version_and_keeps_the_history(tmp_path):
     assert [r["closed"] for r in rows] == ["complete"] * 5 + ["rollback"]  # nothing deleted or replaced
 
 
+def test_reading_the_checkpoint_beside_a_running_coordinator_never_records_its_round(tmp_path):
+    """Before: load_checkpoint also wrote the round's row when it was missing, so a reader that
+    looked between the coordinator's two writes (checkpoint, then database) recorded the round, and
+    the coordinator recorded it again (seen under load in test_coordinator_sigkill_resumes_from_checkpoint)."""
+    from broker_coordinator.storage.store import Store
+    row = {"round": 1, "attempt": 1, "closed": "complete", "selected": 2, "participants": 2, "accuracy": 0.5,
+           "loss": 1.0, "bytes_up": 10, "seconds": 1.0, "rejected": {}}
+    coordinator = Store(tmp_path)
+    ckpt = _checkpoint(1, 1.0)
+    ckpt.record = {**row, "model_sha256": ckpt.sha256}
+    coordinator.save_checkpoint(ckpt)
+    reader = Store(tmp_path)  # `status`, a test polling for a round, the fault drill
+    assert reader.load_checkpoint().round == 1 and reader.rounds() == []
+    coordinator.record_round(ckpt.record)  # the coordinator's second write
+    assert [r["round"] for r in reader.rounds()] == [1]
+    # a crash between the two writes: the coordinator starting again (it holds the state lock) fills it in, once
+    ckpt2 = _checkpoint(2, 2.0)
+    ckpt2.record = {**row, "round": 2, "model_sha256": ckpt2.sha256}
+    coordinator.save_checkpoint(ckpt2)
+    restarted = Store(tmp_path)
+    assert restarted.recover_checkpoint().round == 2 and restarted.recover_checkpoint().round == 2
+    assert [r["round"] for r in restarted.rounds()] == [1, 2]
+
+
 def test_attempts_are_never_overwritten_and_old_databases_migrate(tmp_path):
     from broker_coordinator.storage.store import Store
     db = sqlite3.connect(tmp_path / "coordinator.db")  # the schema before history became append-only

@@ -139,7 +139,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases):
             self._resume(store)
 
     def _resume(self, store: Store) -> None:
-        ckpt = store.load_checkpoint()
+        ckpt = store.recover_checkpoint()
         if ckpt is None:
             return
         if ckpt.arch != self.arch:

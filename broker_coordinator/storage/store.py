@@ -4,7 +4,9 @@ atomically replaced checkpoint file for the global model.
 Order of writes after a round: checkpoint file first (it holds the round's
 record too), then the database rows. On restart the checkpoint is the truth:
 the next round is checkpoint.round + 1, and a round whose rows did not reach
-the database is filled in from the checkpoint. So no round is aggregated twice.
+the database is filled in from the checkpoint (`recover_checkpoint`, by the
+coordinator starting; `load_checkpoint` only reads, for readers beside a
+running coordinator). So no round is aggregated or recorded twice.
 
 History is append-only: every attempt of every round is its own row (attempt
 numbers continue across restarts), and a rollback adds a `rollback` row
@@ -121,13 +123,20 @@ class Store:
         atomic_write(self.dir / CHECKPOINT, data)
 
     def load_checkpoint(self) -> Checkpoint | None:
+        """The live checkpoint, read only: safe beside a running coordinator (`status`, a test, a drill)."""
         path = self.dir / CHECKPOINT
-        if not path.exists():
-            return None
-        ckpt = _read_checkpoint(path)
-        if ckpt.record and not self.db.execute("SELECT 1 FROM rounds WHERE round = ? AND model_sha256 = ? AND "
-                                               "closed != 'abandoned'", (ckpt.round, ckpt.sha256)).fetchone():
-            self.record_round(ckpt.record)  # the crash came between checkpoint and database
+        return _read_checkpoint(path) if path.exists() else None
+
+    def recover_checkpoint(self) -> Checkpoint | None:
+        """The live checkpoint, with its round's row written if a crash came between checkpoint and
+        database. Only for the process that holds the state lock (the coordinator starting, a
+        rollback): beside a running coordinator, that gap is the moment between its two writes, and
+        the row written here would be written again by the coordinator, the round recorded twice."""
+        ckpt = self.load_checkpoint()
+        if ckpt and ckpt.record and not self.db.execute(
+                "SELECT 1 FROM rounds WHERE round = ? AND model_sha256 = ? AND closed != 'abandoned'",
+                (ckpt.round, ckpt.sha256)).fetchone():
+            self.record_round(ckpt.record)
         return ckpt
 
     def kept_rounds(self) -> list[int]:
@@ -145,7 +154,7 @@ class Store:
             raise StoreError(f"no checkpoint of round {to_round} is kept in {path.parent}; kept rounds: "
                              f"{', '.join(map(str, kept)) or 'none'} (raise [storage] keep_checkpoints to keep more)")
         target = _read_checkpoint(path)
-        current = self.load_checkpoint()
+        current = self.recover_checkpoint()
         newest = max([target.version] + ([current.version] if current else []))
         target.version = newest + 1
         atomic_write(self.dir / CHECKPOINT, _pack_checkpoint(target))
