@@ -40,33 +40,13 @@ def test_buffered_serves_algorithms_without_round_bound_server_state(algorithm, 
 
 
 @pytest.mark.parametrize("algorithm", ["dynsam", "feddyn", "fedsmoo"])
-def test_buffered_serves_the_dual_algorithms(algorithm):
-    RoundSettings(algorithm=algorithm, mode="buffered").validate()
-
-
-def test_a_dual_grows_once_per_version_by_the_damped_step_over_the_population(tmp_path):
-    """FedDyn in buffered mode: H += (updates folded / population) x the version's damped step; a
-    stale update enters H with its staleness factor, as it enters the step."""
-    s = RoundSettings(algorithm="feddyn", codec="float32", mode="buffered", aggregator="mean", norm_bound=0,
-                      weighting="uniform", max_staleness=2)
-    c = BufferedCoordinator("u", "digits_mlp", datasets.load("digits").test, s, store=Store(tmp_path),
-                            device_keys={d: KEY for d in DEVICES})
-    c.version = 2
-    c.online = {d: {} for d in ("d1", "d2", "d3", "d4")}  # a population of 4
-    buffer = c._open_buffer(1)
-    _task(c, "d1", 2, 1)
-    _task(c, "d2", 1, 2)
-    c._on_update(buffer, "d1", _answer(c, "d1", 2, 1, 0.2), time.time())  # fresh
-    c._on_update(buffer, "d2", _answer(c, "d2", 1, 2, 0.4), time.time())  # one version old: f = 1/sqrt(2)
-    before = {k: v.copy() for k, v in c.weights.items()}
-    buffer.cohort = buffer.answered
-    c._set_state(buffer, RoundState.CLOSED, "test")
-    c._conclude(buffer, "")
-    step = (0.2 + 0.4 / math.sqrt(2)) / 2  # the damped mean of the two deltas (uniform weights)
-    H = c.server_rule.H
-    assert all(np.allclose(H[k], (2 / 4) * step, atol=1e-6) for k in H)
-    assert all(np.allclose(c.weights[k], before[k] + step + H[k], atol=1e-5) for k in before)
-    assert c.version == 3
+def test_buffered_refuses_dual_algorithms_and_says_what_to_choose(algorithm):
+    with pytest.raises(ConfigError) as caught:
+        build_section(RoundSettings, {"mode": "buffered", "algorithm": algorithm}, "c.toml [rounds]")
+    message = str(caught.value)
+    assert message.startswith("c.toml [rounds]: ") and f'algorithm = "{algorithm}"' in message
+    assert "dual H" in message and "fedavg, fedprox, fedsam" in message and 'mode = "sync"' in message
+    assert "(measured: " in message
 
 
 @pytest.mark.parametrize("key,value,says", [("buffer_size", 0, "buffer_size must be >= 1"),
@@ -90,6 +70,7 @@ def _evaluated(c, device, version, attempt, score):
 
 
 def test_without_a_test_set_buffered_versions_are_scored_by_the_devices_that_measured_them(tmp_path):
+    """A buffer's federated score is the reports of the newest version its devices measured."""
     s = RoundSettings(algorithm="fedavg", codec="float32", mode="buffered", aggregator="mean", max_staleness=2)
     c = BufferedCoordinator("u", "digits_mlp", None, s, store=Store(tmp_path), device_keys={d: KEY for d in DEVICES})
     assert c.evaluate_devices and not c.evaluate_central
@@ -100,7 +81,7 @@ def test_without_a_test_set_buffered_versions_are_scored_by_the_devices_that_mea
     c._on_update(buffer, "d1", _evaluated(c, "d1", 4, 1, 0.8), time.time())
     c._on_update(buffer, "d2", _evaluated(c, "d2", 3, 2, 0.1), time.time())  # measured version 3, not 4
     c._on_update(buffer, "d3", _evaluated(c, "d3", 4, 3, 0.6), time.time())
-    assert buffer.aggregate.count == 3 and set(buffer.evaluations) == {"d1", "d3"}
+    assert buffer.aggregate.count == 3 and buffer.evaluated == {"d1": 4, "d2": 3, "d3": 4}
     record = c._record(buffer, "", "", "complete")
     assert record.federated["score"] == pytest.approx(0.7) and record.federated["model_version"] == 4
 

@@ -14,8 +14,9 @@ itself) on `edgefl/<fed>/device/<id>/enroll`. The desk:
 
 The desk also removes expired one-time passwords: the password file holds a
 pending device's one-time password only until its token expires, so at the
-earliest expiry (looking again every `rescan` seconds for tokens added since)
-it regenerates the file and reloads the broker.
+earliest expiry (a timer; every `rescan` seconds it looks at the registry's change
+counter, so a token added since re-arms it) it regenerates the file and reloads
+the broker.
 
 The desk rides on any connected coordinator client (`attach`), so the round
 loop's process can host it; `broker-coordinator serve-enrollment` runs it alone.
@@ -45,9 +46,13 @@ log = logging.getLogger("broker_coordinator.access.enrollment")
 class EnrollmentDesk:
     def __init__(self, config: CoordinatorConfig, registry: Registry,
                  apply_changes: Callable[[], str] | None = None, echo: Callable[[str], None] | None = None,
-                 on_enrolled: Callable[[str], None] | None = None, rescan: float = 60.0) -> None:
+                 on_enrolled: Callable[[str], None] | None = None, rescan: float = 0.5) -> None:
         self.config = config
-        self.rescan = rescan  # seconds between looks at the registry for the next token expiry
+        # seconds between looks at the registry's change counter (one PRAGMA, no read): a token added
+        # or changed since re-arms the timer to the earliest expiry
+        self.rescan = rescan
+        self._seen_version: int | None = None
+        self._next_expiry: float | None = None
         self.expired: set[tuple[str, str]] = set()  # (device, token id) whose one-time password is gone
         self.on_enrolled = on_enrolled
         self.registry = registry
@@ -88,11 +93,11 @@ class EnrollmentDesk:
     def _work(self) -> None:
         while not self.stopping.is_set():
             try:
-                self.expire_tokens()
+                self._expire_if_due()
             except Exception:  # noqa: BLE001 - e.g. the registry briefly locked: try again at the next wake
                 log.exception("checking for expired enrollment tokens failed")
             try:
-                item = self.requests.get(timeout=self._until_next_expiry())
+                item = self.requests.get(timeout=self._until_next_look())
             except queue.Empty:
                 continue
             if item is None:
@@ -102,10 +107,23 @@ class EnrollmentDesk:
             except Exception:  # noqa: BLE001 - one bad request must not stop the desk
                 log.exception("enrollment request on %s failed", item[0])
 
-    def _until_next_expiry(self) -> float:
+    def _expire_if_due(self) -> None:
+        """At the earliest token expiry, or when the registry changed (a token added, rotated or
+        redeemed by another process): drop what expired and re-arm the timer to the next expiry."""
+        version = self.registry.data_version()
+        due = self._next_expiry is not None and time.time() >= self._next_expiry
+        if version == self._seen_version and not due:
+            return
+        self.expire_tokens()
         now = time.time()
-        upcoming = [d.token_expires for d in self.registry.devices(self.fed) if d.token_valid(now)]
-        return max(0.05, min([self.rescan, *(t - now + 0.05 for t in upcoming)]))
+        self._next_expiry = min((d.token_expires for d in self.registry.devices(self.fed) if d.token_valid(now)),
+                                default=None)
+        self._seen_version = self.registry.data_version()
+
+    def _until_next_look(self) -> float:
+        if self._next_expiry is None:
+            return self.rescan
+        return max(0.05, min(self.rescan, self._next_expiry - time.time() + 0.05))
 
     def expire_tokens(self) -> list[str]:
         """Drop the one-time passwords of tokens that expired since the last look; return those devices."""

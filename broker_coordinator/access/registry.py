@@ -162,6 +162,14 @@ class Registry:
                 raise
             return self._states
 
+    def data_version(self) -> int:
+        """A counter that moves whenever another connection commits to the registry (SQLite's
+        PRAGMA data_version): a cheap way to know that a re-read would find something new."""
+        with self._lock:
+            if self._reader is None:
+                self._reader = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+            return int(self._reader.execute("PRAGMA data_version").fetchone()[0])
+
     def close(self) -> None:
         """Close the admission reader (the other methods keep no connection open)."""
         with self._lock:

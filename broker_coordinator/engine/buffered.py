@@ -24,10 +24,9 @@ so receipts, the replay guard and the agent's bookkeeping work unchanged.
 Several versions are in flight at once: a release stays retained while a task
 that names it is outstanding and within S versions of the newest.
 
-Every algorithm runs: a server rule's state is updated once per applied version from the
-version's damped step (FedDyn's, FedSMOO's and DynSAM's dual H grows by it times the share of the
-population the buffer folded), and each device's dual adds the delta it trained from the version
-its task named.
+Algorithms with a server dual (FedDyn's and FedSMOO's H, DynSAM with its dual) are refused at
+config load (`settings.composition`): fed damped, stale buffers the server's dual drifts from the
+devices' and the model lost accuracy version after version in the measurement.
 """
 
 from __future__ import annotations

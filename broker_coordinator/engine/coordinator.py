@@ -406,7 +406,10 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases):
             clipped["direction"] = len(rnd.aggregate.gated)
         score = central.score if central else float("nan")
         accuracy = score if self.objective.task == "classification" else float("nan")
-        federated = federated_score(self.objective.metric, rnd.evaluations, rnd.base_version)
+        # the devices' score describes one model: the newest version the round's reports measured
+        version = max(rnd.evaluated.values(), default=rnd.base_version)
+        reports = {d: r for d, r in rnd.evaluations.items() if rnd.evaluated.get(d, version) == version}
+        federated = federated_score(self.objective.metric, reports, version)
         return RoundRecord(rnd.number, rnd.attempt, rnd.counted, len(rnd.cohort), accuracy,
                            central.loss if central else float("nan"), rnd.bytes_up, time.time() - rnd.started,
                            dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,

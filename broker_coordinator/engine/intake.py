@@ -97,11 +97,10 @@ class UpdateIntake:
         if self.extras is not None:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
         self.server_rule.observe(device, answer.num_samples, answer.metrics)
-        # a device evaluates the model it received: it counts towards the round's (the version's) score
-        # only if that is the version the round is built on (buffered: a stale update measured another)
-        if (evaluation := self._evaluation_in(device, answer.metrics)) is not None \
-                and answer.model_version == current.base_version:
+        # a device evaluates the model it received (buffered: its task's version, maybe an older one)
+        if (evaluation := self._evaluation_in(device, answer.metrics)) is not None:
             current.evaluations[device] = evaluation
+            current.evaluated[device] = answer.model_version
         current.answered.add(device)
         self.accepted[(device, answer.round, answer.attempt)] = digest  # the task answered (buffered: not current's)
         current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)

@@ -64,6 +64,7 @@ class Round:
     reason: str = ""
     train: bool = True  # False: an evaluation-only round (devices report, the model stays)
     evaluations: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # device -> score, loss, count
+    evaluated: dict[str, int] = field(default_factory=dict)  # device -> the model version it evaluated
 
     def move(self, new: RoundState, reason: str = "") -> None:
         if new not in NEXT[self.state]:

@@ -34,7 +34,7 @@ class Rule:
 
 
 def _async_refusal(s: RoundSettings) -> str:
-    """An algorithm's own reason not to serve buffered mode ("": none of the built-in ones has one)."""
+    """An algorithm's own reason not to serve buffered mode ("" = it serves it)."""
     return algorithms.get(s.algorithm).server(s.task_hparams(1)).asynchronous_refusal()
 
 
@@ -49,10 +49,12 @@ RULES: tuple[Rule, ...] = (
          "site aggregators fold per round; buffered versions through sites were not built",
          lambda s, t: t == "sites" and s.mode == "buffered",
          'mode = "sync", or remove the [sites.*] sections'),
-    Rule('mode buffered + an algorithm whose server rule refuses stale updates', "mathematical",
-         "the algorithm says its server state cannot fold updates trained on older versions",
+    Rule('mode buffered + algorithm feddyn | fedsmoo | dynsam with its duals', "measured",
+         "a server dual fed damped, stale buffers drifts from the devices' duals; buffered dynsam with its "
+         "dual ended below its start in bench/results/composition_pairwise.json",
          lambda s, t: s.mode == "buffered" and bool(_async_refusal(s)),
-         'mode = "sync", or another algorithm',
+         'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
+         'dual = 0 and global_perturbation = 0)',
          lambda s: f'algorithm = "{s.algorithm}": {_async_refusal(s)}'),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
