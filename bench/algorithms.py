@@ -1,14 +1,22 @@
 """Algorithm benchmark (a benchmark, not a test): every algorithm on the same
-partition, model, local epochs, batch, learning rate and seeds, with plain SGD
-and with SGD + momentum 0.9, in process (bench/fedsim.py).
+partition, model, batch, learning rate, fleet and seeds, with plain SGD and with
+SGD + momentum 0.9, in process through the shipped engine (bench/fedsim.py).
 
-    python -m bench.algorithms                 # headline + other settings + ablation (hours on 2 cores)
+Every RoundSettings key the benchmark does not vary is the shipped default (codec,
+weighting, norm bound, aggregator, local_epochs = 0): each device plans its epochs
+from its emulated speed and the deadline, on the demo's fleet mix (`make demo`:
+DEMO_FLEET, scaled to the number of clients) with the demo's 6 s round timeout.
+
+    python -m bench.algorithms --only headline --optimizers sgd --seeds 2   # what algorithms.json holds
+    python -m bench.algorithms                 # headline + other settings + ablation (many hours on 2 cores)
     python -m bench.algorithms --quick         # a smoke version, under 3 minutes
     python -m bench.algorithms --report        # rebuild json/markdown/plots from cached runs
     python -m bench.algorithms --validation    # the design/tuning runs, on a validation split
     python -m bench.algorithms --check-mqtt    # in-process vs `broker-coordinator simulate`
 
-Each run is cached in bench/results/algorithms_runs/ (resumable); the report
+Each run is cached in bench/results/algorithms_runs/PIPELINE/ (resumable; runs of
+the older pipeline, plain mean and 2 fixed epochs in float32, sit beside it and are
+never read); the report
 writes bench/results/algorithms.json (schema of issue 3), algorithms.md,
 algorithms_details.json and algorithms_<setting>.png.
 """
@@ -28,8 +36,29 @@ from edgefl_protocol import algorithms
 from .algorithms_report import report
 
 RESULTS = Path(__file__).resolve().parent / "results"
-RUNS = RESULTS / "algorithms_runs"
+PIPELINE = "shipped_fold"  # a new name whenever what a cached run measured changes
+RUNS = RESULTS / "algorithms_runs" / PIPELINE
 MOMENTUM = 0.9
+DEMO_FLEET = "zero2w:2,pi3:2,pi4:4,pi5:2"  # the Makefile's DEMO_FLEET, for 10 devices
+ROUND_TIMEOUT = 6.0  # seconds: what `make demo` passes (--round-timeout 6); caps slow devices' epochs
+
+
+def fleet_spec(n_clients: int) -> str:
+    """The demo's mix for `n_clients` devices (every count times n_clients / 10)."""
+    from broker_coordinator.simulation.fleet import parse_fleet
+
+    mix = parse_fleet(DEMO_FLEET)
+    size = sum(n for _, n in mix)
+    if n_clients % size:
+        raise ValueError(f"{n_clients} clients cannot carry the demo's fleet mix {DEMO_FLEET} in proportion")
+    return ",".join(f"{name}:{n * n_clients // size}" for name, n in mix)
+
+
+def fleet_for(n_clients: int, seed: int) -> list[str]:
+    """One device class per client: the demo's mix, shuffled with the run's seed."""
+    from broker_coordinator.simulation.fleet import assign
+
+    return [c.name for c in assign(fleet_spec(n_clients), n_clients, seed)]
 
 
 @dataclass(frozen=True)
@@ -86,7 +115,7 @@ class Job:
 def run_job(job: Job) -> dict:
     from broker_coordinator.engine.coordinator import RoundSettings
 
-    from . import fedsim, settings
+    from . import fedsim, inmemory, provenance, settings
 
     if job.path.exists():
         return json.loads(job.path.read_text())
@@ -96,14 +125,22 @@ def run_job(job: Job) -> dict:
         fed.rounds = job.rounds
     if job.split == "validation":
         fed.clients, fed.test = fedsim.split_validation(fed.clients)
+    # only what the benchmark varies is set; everything else is the shipped default
     rs = RoundSettings(algorithm=job.variant.algorithm, clients_per_round=fed.clients_per_round,
-                       momentum=job.momentum, hparams=dict(job.variant.hparams))
+                       momentum=job.momentum, hparams=dict(job.variant.hparams), round_timeout=ROUND_TIMEOUT)
+    fleet = fleet_for(len(fed.clients), job.seed)
     started = time.time()
-    result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True)
+    result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True, fleet=fleet)
     record = {"setting": job.setting, "variant": job.variant.name, "algorithm": job.variant.algorithm,
               "hparams": dict(job.variant.hparams), "momentum": job.momentum, "seed": job.seed, "split": job.split,
+              "deciding": provenance.deciding(rs), "round_timeout": rs.round_timeout,
+              "fleet": fleet_spec(len(fed.clients)), "device_classes": fleet,
+              "host_samples_per_s": inmemory.host_speed(fed.arch), "rounds": fed.rounds,
+              "clients_per_round": fed.clients_per_round, "commit": provenance.commit(),
+              "command": provenance.invoked(),
               "accuracy": result.accuracy, "ema_accuracy": result.ema_accuracy, "loss": result.loss,
-              "local_seconds": result.local_seconds, "signals": result.signals, "wall_seconds": time.time() - started}
+              "local_seconds": result.local_seconds, "signals": result.signals, "records": result.records,
+              "wall_seconds": time.time() - started}
     job.path.parent.mkdir(parents=True, exist_ok=True)
     job.path.write_text(json.dumps(record))
     print(f"done {job.split}/{job.setting}/{job.key} seed {job.seed}: {100 * result.accuracy[-1]:.2f}% "
@@ -136,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated parts: headline,cpu,ablation,other")
     p.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    p.add_argument("--optimizers", default="sgd,momentum",
+                   help="comma-separated: sgd (plain SGD), momentum (SGD + momentum 0.9)")
+    p.add_argument("--settings", default="",
+                   help="comma-separated settings for the 'other' part (default: all but the headline)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="stop after this many rounds (a timing run, cached apart and not reported)")
     args = p.parse_args(argv)
 
     if args.check_mqtt:
@@ -163,17 +206,31 @@ def main(argv: list[str] | None = None) -> int:
                runtime_default=algorithms.DEFAULT_ALGORITHM)
         return 0
     parts = set(args.only.split(",")) if args.only else {"headline", "cpu", "ablation", "other"}
+    unknown = parts - {"headline", "cpu", "ablation", "other"}
+    if unknown:
+        p.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}; choose from headline,cpu,ablation,other")
+    optimizers = {"sgd": 0.0, "momentum": MOMENTUM}
+    wrong = set(args.optimizers.split(",")) - set(optimizers)
+    if wrong:
+        p.error(f"--optimizers: unknown {', '.join(sorted(wrong))}; choose from sgd,momentum")
+    momenta = [optimizers[o] for o in args.optimizers.split(",")]
+    others = args.settings.split(",") if args.settings else [settings.SYNTHETIC, settings.DIRICHLET05]
+    wrong = set(others) - set(settings.SETTINGS)
+    if wrong:
+        p.error(f"--settings: unknown {', '.join(sorted(wrong))}; known: {', '.join(settings.SETTINGS)}")
     jobs: list[Job] = []
     seeds = range(1, args.seeds + 1)
+    rounds = args.rounds or None
     if "headline" in parts:
-        jobs += [Job(settings.HEADLINE, v, m, s) for s in seeds for m in (MOMENTUM, 0.0) for v in BASELINES + [DEFAULT]]
-    if "cpu" in parts:
-        jobs += [Job(settings.HEADLINE, v, MOMENTUM, s) for s in seeds for v in CPU_SIZED]
+        jobs += [Job(settings.HEADLINE, v, m, s, rounds=rounds) for s in seeds for m in momenta
+                 for v in BASELINES + [DEFAULT]]
+    if "cpu" in parts and MOMENTUM in momenta:
+        jobs += [Job(settings.HEADLINE, v, MOMENTUM, s, rounds=rounds) for s in seeds for v in CPU_SIZED]
     if "ablation" in parts:
-        jobs += [Job(settings.HEADLINE, v, m, s) for s in seeds for m in (0.0, MOMENTUM) for v in ABLATION]
+        jobs += [Job(settings.HEADLINE, v, m, s, rounds=rounds) for s in seeds for m in momenta for v in ABLATION]
     if "other" in parts:
-        for setting in (settings.SYNTHETIC, settings.DIRICHLET05):
-            jobs += [Job(setting, v, m, s) for s in range(1, args.other_seeds + 1) for m in (MOMENTUM, 0.0)
+        for setting in others:
+            jobs += [Job(setting, v, m, s, rounds=rounds) for s in range(1, args.other_seeds + 1) for m in momenta
                      for v in BASELINES + [DEFAULT]]
     if args.variants:
         wanted = set(args.variants.split(","))
@@ -183,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [j for j in jobs if j.variant.name in wanted]
     if not args.report:
         run_all(jobs, args.workers)
+    if rounds:
+        return 0  # a timing run: cached under test_r<rounds>, never reported
     records = [json.loads(path.read_text()) for path in sorted((RUNS / "test").glob("*/*.json"))]
     records = [r for r in records if "accuracy" in r and r["variant"] in variants]
     report(records, variants, DEFAULT.name, RESULTS, ablation=ABLATION, headline=settings.HEADLINE,

@@ -108,32 +108,73 @@ def ablation_lines(rows: dict[str, Row], default: str, ablation_names: set[str])
                      f"({len(paired)} paired) | {mean(row.passes) / mean(ref.passes):.2f}x | {row.variant.note} |")
     return lines + [""]
 
-# bench/fedsim.py's fold and transport, as this benchmark runs it: keep in step with fedsim
-FEDSIM = {"aggregator": "mean", "weighting": "reported", "norm_bound": 0.0, "codec": "float32", "downlink": "full"}
+def measured_with(records: list[dict], schema: dict) -> dict:
+    """Read from the runs themselves: each cached run records its deciding settings
+    (`bench.provenance.deciding` of the RoundSettings it ran), fleet, timeout and rounds.
+    What is the same in every run goes at the top level; what differs goes under `varies`."""
+    if not records:
+        return provenance.measured_with(provenance.invoked(), {}, note="no runs")
+    missing = [r["variant"] for r in records if "deciding" not in r]
+    if missing:
+        raise ValueError(f"runs of {', '.join(sorted(set(missing)))} do not record their deciding settings: "
+                         "they come from an older pipeline; move them out of the runs folder")
+    shared, varies = {}, {}
+    for key in records[0]["deciding"]:
+        values = sorted({json.dumps(r["deciding"][key]) for r in records})
+        if len(values) == 1:
+            shared[key] = records[0]["deciding"][key]
+        else:
+            varies[key] = [json.loads(v) for v in values]
+    if "algorithm" in varies:
+        varies["algorithm"] = "per row: " + ", ".join(varies["algorithm"])
 
+    def same(key: str):
+        values = sorted({json.dumps(r.get(key)) for r in records})
+        return json.loads(values[0]) if len(values) == 1 else [json.loads(v) for v in values]
 
-def measured_with(schema: dict) -> dict:
-    from broker_coordinator.settings.round_settings import RoundSettings
-    shared = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in ("algorithm", "momentum")}
+    commands = sorted({r["command"] for r in records if r.get("command")})
+    speeds = [r["host_samples_per_s"] for r in records if "host_samples_per_s" in r]
     return provenance.measured_with(
-        provenance.invoked(), {**shared, **FEDSIM}, varies={"algorithm": "per row", "momentum": [0.0, 0.9]},
-        data="the settings of bench/settings.py", partition="per setting (bench/settings.py)",
+        "; ".join(commands) if commands else provenance.invoked(), shared, varies=varies,
+        fleet=same("fleet"), fleet_note="device classes of broker_coordinator/simulation/fleet.py PROFILES, shuffled per "
+        "seed (fleet.assign); a device's speed is the host's calibrated one-thread throughput times its class's",
+        round_timeout=same("round_timeout"), rounds=same("rounds"), clients_per_round=same("clients_per_round"),
+        seeds=sorted({r["seed"] for r in records}),
         seeds_per_row={s: {row: len(v["final_accuracy"]) for row, v in rows.items()}
                        for s, rows in schema["settings"].items()},
-        note="in process (bench/fedsim.py): StreamingMean weighted by the algorithm's rule, no weight cap, no "
-             "norm bound, float32 both ways; local_epochs is what RoundSettings gives fedsim")
+        data="the settings of bench/settings.py",
+        partition="per setting (bench/settings.py; headline: bench/data/mnist5k_dir01_20clients.npz)",
+        host_samples_per_s=[round(min(speeds)), round(max(speeds))] if speeds else "unknown",
+        run_commits=sorted({r.get("commit", "unknown") for r in records}),
+        note="in process through the shipped engine (bench/inmemory.py): the agent's local training, the codec "
+             "with error feedback, the coordinator's fold_round (signature, intake, trust bounds, fold, server "
+             "rule, evaluation); local_epochs 0: each device plans its epochs from its emulated speed and "
+             "round_timeout (no deadline clock)")
+
+
+def pipeline_line(measured: dict) -> str:
+    """One sentence naming what the numbers were measured with (from `measured_with`, never copied)."""
+    epochs = measured.get("local_epochs")
+    plan = (f"each device plans its local epochs from its emulated speed and the {measured.get('round_timeout')} s "
+            f"round timeout (fleet {measured.get('fleet')})" if epochs == 0 else f"{epochs} local epochs")
+    return (f"In process through the shipped engine (bench/fedsim.py, bench/inmemory.py): codec "
+            f"`{measured.get('codec')}` with error feedback, aggregator `{measured.get('aggregator')}`, weighting "
+            f"`{measured.get('weighting')}`, norm bound {measured.get('norm_bound')}, downlink "
+            f"`{measured.get('downlink')}`; {plan}; every setting not varied per row is the shipped default "
+            "(`measured_with` in the JSON).")
 
 
 def report(records: list[dict], variants: dict, default: str, results: Path, out_prefix: str = "algorithms",
            ablation: list | None = None, headline: str = "", runtime_default: str = "") -> None:
     ablation_names = {v.name for v in ablation or []}
+    results.mkdir(parents=True, exist_ok=True)
     table = summarize(records, variants)
     # default_algorithm is the runtime's (edgefl_protocol.algorithms.DEFAULT_ALGORITHM); our own algorithm,
     # which would become it only by winning, is named beside it
     schema = {"default_algorithm": runtime_default or default, "our_algorithm": default, "settings": {}}
     details: dict = {"served_average_decay": float(SERVED_DECAY), "settings": {}}
-    lines = [f"# Algorithm benchmark ({out_prefix})", "",
-             "Final test accuracy after the last round, mean +- std over seeds (in process, bench/fedsim.py). "
+    lines = [f"# Algorithm benchmark ({out_prefix})", "", "PIPELINE", "",
+             "Final test accuracy after the last round, mean +- std over seeds (the `seeds` column says how many). "
              f"'served avg' is the final accuracy of an exponential moving average (decay {SERVED_DECAY}) of the "
              "global models, measured beside every run and never fed back: what serving an average instead of the "
              "last model would give (over the seeds that recorded it). Rounds to 90% of the best final accuracy in "
@@ -176,8 +217,8 @@ def report(records: list[dict], variants: dict, default: str, results: Path, out
             lines += ablation_lines(rows, default, ablation_names)
         plot(setting, main_rows, results / f"{out_prefix}_{setting}.png", default)
         lines += [f"![accuracy per round]({out_prefix}_{setting}.png)", ""]
-    schema["measured_with"] = details["measured_with"] = measured_with(schema)
-    results.mkdir(parents=True, exist_ok=True)
+    schema["measured_with"] = details["measured_with"] = measured_with(records, schema)
+    lines[lines.index("PIPELINE")] = pipeline_line(schema["measured_with"])
     (results / f"{out_prefix}.json").write_text(json.dumps(schema, indent=1) + "\n")
     (results / f"{out_prefix}_details.json").write_text(json.dumps(details, indent=1) + "\n")
     (results / f"{out_prefix}.md").write_text("\n".join(lines) + "\n")
@@ -189,8 +230,10 @@ def plot(setting: str, rows: dict[str, Row], path: Path, default: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, momentum in zip(axes, (False, True)):
+    momenta = sorted({bool(r.momentum) for r in rows.values()})
+    fig, axes = plt.subplots(1, len(momenta), figsize=(6 * len(momenta), 4.5), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, momentum in zip(axes, momenta):
         for key, row in sorted(rows.items()):
             if bool(row.momentum) != momentum:
                 continue
