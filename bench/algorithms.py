@@ -28,17 +28,12 @@ import json
 import multiprocessing
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from edgefl_protocol import algorithms
 
+from .algorithm_jobs import MOMENTUM, PIPELINE, RESULTS, RUNS, Job, Variant  # noqa: F401 (used from here)
 from .algorithms_report import report
 
-RESULTS = Path(__file__).resolve().parent / "results"
-PIPELINE = "shipped_fold"  # a new name whenever what a cached run measured changes
-RUNS = RESULTS / "algorithms_runs" / PIPELINE
-MOMENTUM = 0.9
 DEMO_FLEET = "zero2w:2,pi3:2,pi4:4,pi5:2"  # the Makefile's DEMO_FLEET, for 10 devices
 ROUND_TIMEOUT = 6.0  # seconds: what `make demo` passes (--round-timeout 6); caps slow devices' epochs
 
@@ -61,16 +56,6 @@ def fleet_for(n_clients: int, seed: int) -> list[str]:
     return [c.name for c in assign(fleet_spec(n_clients), n_clients, seed)]
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One row of the table: an algorithm with hyper-parameter overrides."""
-
-    name: str
-    algorithm: str
-    hparams: tuple[tuple[str, float | str], ...] = ()
-    note: str = ""
-
-
 BASELINES = [
     Variant("fedavg", "fedavg", note="size-weighted"),
     Variant("fedprox", "fedprox"),
@@ -91,25 +76,6 @@ ABLATION = [
     Variant("dynsam-no_sam", "dynsam", (("sam", 0),), "no SAM"),
     Variant("dynsam-no_dual", "dynsam", (("dual", 0),), "no dual (no drift correction)"),
 ]
-
-
-@dataclass(frozen=True)
-class Job:
-    setting: str
-    variant: Variant
-    momentum: float
-    seed: int
-    split: str = "test"       # "test" or "validation"
-    rounds: int | None = None
-
-    @property
-    def key(self) -> str:
-        return self.variant.name + ("+momentum" if self.momentum else "")
-
-    @property
-    def path(self) -> Path:
-        split = f"{self.split}_r{self.rounds}" if self.rounds else self.split
-        return RUNS / split / self.setting / f"{self.key}_s{self.seed}.json"
 
 
 def run_job(job: Job) -> dict:

@@ -21,7 +21,7 @@ from broker_coordinator.engine.coordinator import RoundSettings
 from models import datasets, partition
 
 from . import fedsim, provenance
-from .algorithms import RESULTS
+from .algorithm_jobs import RESULTS
 
 AGENTS, ROUNDS, PER_ROUND, PARTITION, SEED = 10, 10, 5, "dirichlet:0.3", 0
 CASES = [("dynsam", 0.9, {}), ("fedsmoo", 0.9, {"sam_every": 4})]

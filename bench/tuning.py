@@ -15,7 +15,7 @@ mean validation accuracy over the last 10 rounds (`tail_mean`).
 
 from __future__ import annotations
 
-from .algorithms import MOMENTUM, Job, Variant
+from .algorithm_jobs import MOMENTUM, Job, Variant
 from .settings import HEADLINE
 
 K_CHOICE = [
