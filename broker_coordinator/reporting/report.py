@@ -49,12 +49,24 @@ def describe_scores(record: dict[str, Any]) -> str:
 def plot_accuracy(path: Path, rounds: list[dict[str, Any]], title: str) -> bool:
     """Write a PNG of the metric per round (central and/or on devices); returns False (and writes
     nothing) when matplotlib is not installed."""
+    fig = metric_figure(rounds, title)
+    if fig is None:
+        return False
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return True
+
+
+def metric_figure(rounds: list[dict[str, Any]], title: str):  # noqa: ANN201 (a matplotlib Figure, or None)
+    """The figure `plot_accuracy` writes: the metric against rounds, whole rounds on the x axis."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
-        return False
+        return None
     metric = scores(rounds[0])[0] if rounds else "accuracy"
     scale = 100 if metric == "accuracy" else 1
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -62,15 +74,14 @@ def plot_accuracy(path: Path, rounds: list[dict[str, Any]], title: str) -> bool:
         points = [(r["round"], scale * scores(r)[index]) for r in rounds if not math.isnan(scores(r)[index])]
         if points:
             ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no tick at 2.5
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy (%)" if metric == "accuracy" else metric)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def format_round(record: dict[str, Any], rounds: int) -> str:
