@@ -78,6 +78,14 @@ ABLATION = [
 ]
 
 
+def run_measured_with(record: dict) -> dict:
+    """A cached run's own `measured_with`: its commit, command and what decides its numbers."""
+    return {"commit": record.get("commit", "unknown"), "command": record.get("command") or "python -m bench.algorithms",
+            **record["deciding"], "data": record["setting"], "split": record["split"], "seeds": [record["seed"]],
+            "fleet": record["fleet"], "round_timeout": record["round_timeout"], "rounds": record["rounds"],
+            "clients_per_round": record["clients_per_round"]}
+
+
 def run_job(job: Job) -> dict:
     from broker_coordinator.engine.coordinator import RoundSettings
 
@@ -107,6 +115,7 @@ def run_job(job: Job) -> dict:
               "accuracy": result.accuracy, "ema_accuracy": result.ema_accuracy, "loss": result.loss,
               "local_seconds": result.local_seconds, "signals": result.signals, "records": result.records,
               "wall_seconds": time.time() - started}
+    record["measured_with"] = run_measured_with(record)
     job.path.parent.mkdir(parents=True, exist_ok=True)
     job.path.write_text(json.dumps(record))
     print(f"done {job.split}/{job.setting}/{job.key} seed {job.seed}: {100 * result.accuracy[-1]:.2f}% "
