@@ -99,6 +99,8 @@ CLAIMS = [
     ("README.md", r"MB\); (\d+) / \d+ / \d+ updates/s", "runtime.json", "updates_per_s/100", 1, 0),
     ("README.md", r"MB\); \d+ / (\d+) / \d+ updates/s", "runtime.json", "updates_per_s/300", 1, 0),
     ("README.md", r"MB\); \d+ / \d+ / (\d+) updates/s", "runtime.json", "updates_per_s/1000", 1, 0),
+    ("README.md", r"all (\d+) cells of a\s+pairwise", "composition_pairwise.json", "cells_ok", 1, 0),
+    ("README.md", r"(\d+) of the\s+96 cells are refused", "composition_pairwise.json", "refused_count", 1, 0),
     ("README.md", r"as with 1,000 \(([\d.]+)x\)", "spool.json", "ratio_last_to_first", 1, 2),
     ("README.md", r"carries (\d+)x fewer bytes", "scale.json", "ratio_flat_over_tree", 1, 0),
     ("README.md", r"the same \(\+(\d+)%\)", "scale.json", "tree_growth_low_to_high", 100, 0),
@@ -139,6 +141,9 @@ def headline_mean(d: dict, row: str) -> float:
 
 
 DERIVED = {  # numbers the docs quote that the files hold only in parts
+    # "all N cells": N ok, and no cell that was not
+    "cells_ok": lambda d: sum(c["ok"] for c in d["cells"]) if all(c["ok"] for c in d["cells"]) else -1,
+    "refused_count": lambda d: len(d["refused"]),
     "default_final_mean": lambda d: sum(d["runs"]["dynsam+sgd"]["final_accuracy"]) / 2,
     "default_vs_fedavg": lambda d: (sum(d["runs"]["dynsam+sgd"]["final_accuracy"])
                                     - sum(d["runs"]["fedavg+sgd"]["final_accuracy"])) / 2,

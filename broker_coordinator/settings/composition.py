@@ -6,7 +6,8 @@ one rule here refuses the combination with its reason. `run`, `simulate`, `site-
 `config.load` and `TreeCoordinator` for the topology), so a refusal is worded once and always
 comes before anything starts. docs/ARCHITECTURE.md lists `RULES` ("What runs together").
 
-Each rule says whether its reason is mathematical (the combination cannot be defined) or that the
+Each rule says whether its reason is mathematical (the combination cannot be defined), measured
+(it was built and run, and the benchmark named in the reason says it does not work), or that the
 combination is not built yet (it could be; nothing was built or measured for it).
 """
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Rule:
     combination: str  # what is refused, in config keys
-    kind: str  # "mathematical" | "not built"
+    kind: str  # "mathematical" | "measured" | "not built"
     reason: str
     applies: Callable[[RoundSettings, str], bool]
     fix: str  # what to set instead
@@ -60,7 +61,6 @@ RULES: tuple[Rule, ...] = (
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,
          "eval_only_every = 0"),
-
 )
 
 
