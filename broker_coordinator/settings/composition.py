@@ -52,7 +52,7 @@ RULES: tuple[Rule, ...] = (
          'mode = "sync", or remove the [sites.*] sections'),
     Rule('mode buffered + algorithm feddyn | fedsmoo | dynsam with its duals', "measured",
          "a server dual fed damped, stale buffers drifts from the devices' duals; buffered dynsam with its "
-         "dual ended below its start in bench/results/composition_pairwise.json",
+         "dual diverged where fedavg learned (bench/results/buffered_duals.json)",
          lambda s, t: s.mode == "buffered" and bool(_async_refusal(s)),
          'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
          'dual = 0 and global_perturbation = 0)',
