@@ -14,7 +14,7 @@ SUBSET = pairwise([cell for cell in cells() if not refusal(cell)])
 
 @pytest.mark.parametrize("cell", SUBSET, ids=lambda cell: cell.name())
 def test_a_combination_runs_and_learns(tmp_path, cell):
-    row = run_cell(cell, tmp_path, agents=4, versions=2)
+    row = run_cell(cell, tmp_path, agents=4, versions=3)
     assert row["ok"], f"{cell.name()}: {row['first_score']} -> {row['final_score']} ({row['detail']})"
 
 
