@@ -149,10 +149,8 @@ class RobustRound:
 
     def _flush_held(self) -> None:
         """Clip the held (cold-start) deltas against their own median norm and stream them."""
-        bound = self.bound.bound([h.norm for h in self.held]) if self.held else None
-        held, self.held = self.held, []
-        for h in held:
-            self._stream(h.device, h.delta, h.norm, bound, h.weight, h.steps)
+        for h, delta in self._clip_held():
+            self.stream.add(self._center(h.device, delta) if self.center is not None else delta, h.weight, h.steps)
 
     def mean(self) -> dict[str, np.ndarray]:
         """The round's aggregate delta (called once, when the round closes)."""
