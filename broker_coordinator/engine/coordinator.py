@@ -28,9 +28,9 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -42,14 +42,14 @@ from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 from broker_coordinator.engine.intake import UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
+from broker_coordinator.engine.records import RoundRecords
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
 from broker_coordinator.engine.selection import select
-from broker_coordinator.reporting.evaluation import federated_score
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import limits
 from broker_coordinator.settings.round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSettings is imported from here)
-from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
+from broker_coordinator.storage.store import Store, model_sha256
 from edgefl_protocol import (
     algorithms,
     codec,
@@ -60,13 +60,13 @@ from edgefl_protocol import (
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, fingerprint, get_weights, set_weights
 from models.datasets import Dataset
-from models.objectives import Evaluation, Objective
+from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator")
 REPLAY_ROUNDS = 10  # rounds whose accepted answers the replay guard remembers
 
 
-class Coordinator(UpdateIntake, DevicePresence, ModelReleases):
+class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
     def __init__(self, federation: str, arch: str, test_set: Dataset | None, settings: RoundSettings, seed: int = 0,
                  store: Store | None = None, metrics: Metrics | None = None,
                  on_state: Callable[[Round], None] | None = None,
@@ -356,13 +356,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases):
         record = self._record(rnd, base_sha, model_sha256(self.weights), closed, central)
         record.global_score = global_score
         if self.store:
-            self.store.save_checkpoint(Checkpoint(round_no, self.version, self.arch, self.weights,
-                                                  record.model_sha256, self.server_rule.state(), asdict(record),
-                                                  self.served.weights if self.settings.serve_average else None,
-                                                  {"weights": self.sample_weights.state(),
-                                                   "norms": self.norm_bound.state(),
-                                                   "radius": self.radius.state(), "center": self.center},
-                                                  self.broadcast.state() if self.broadcast else {}))
+            self.store.save_checkpoint(self._checkpoint(record))
             self.store.record_round(asdict(record))
         self._set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1
@@ -377,51 +371,6 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases):
             self.metrics.score.labels(record.federated["metric"], "devices").set(record.federated["score"])
         self.metrics.round.set(round_no)
         return record
-
-    def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
-                central: Evaluation | None = None) -> RoundRecord:
-        clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
-        # bounding an honest update is routine (the round line counts it): INFO, not a warning
-        for device, (norm, bound) in rnd.aggregate.clipped.items():
-            log.info("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
-            self.metrics.bounded.labels("norm").inc()
-        centered = getattr(rnd.aggregate, "centered", {})
-        for device, (distance, radius) in centered.items():
-            log.info("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
-                     rnd.number, device, distance, radius)
-            self.metrics.bounded.labels("center").inc()
-            rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
-        if centered:
-            clipped["center"] = len(centered)
-        if rnd.weights_clipped:
-            clipped["weight"] = rnd.weights_clipped
-        for device, cosine in rnd.aggregate.gated.items():
-            log.warning("round %d: update from %s left out: it points away from the round's median "
-                        "(cosine %.2f)", rnd.number, device, cosine)
-            self.metrics.bounded.labels("direction").inc()
-            rnd.device_metrics.setdefault(device, {})["left_out"] = f"direction (cosine {cosine:.2f})"
-        for device, (norm, bound) in rnd.aggregate.clipped.items():
-            rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
-        if rnd.aggregate.gated:
-            clipped["direction"] = len(rnd.aggregate.gated)
-        score = central.score if central else float("nan")
-        accuracy = score if self.objective.task == "classification" else float("nan")
-        # the devices' score describes one model: the newest version the round's reports measured
-        version = max(rnd.evaluated.values(), default=rnd.base_version)
-        reports = {d: r for d, r in rnd.evaluations.items() if rnd.evaluated.get(d, version) == version}
-        federated = federated_score(self.objective.metric, reports, version)
-        return RoundRecord(rnd.number, rnd.attempt, rnd.counted, len(rnd.cohort), accuracy,
-                           central.loss if central else float("nan"), rnd.bytes_up, time.time() - rnd.started,
-                           dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,
-                           dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
-                           "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics))
-
-
-def _bytes_down(device_metrics: Mapping[str, Mapping[str, Any]]) -> int:
-    """Model bytes the round's participants say they received (a measurement, trusted for nothing)."""
-    values = (m.get("bytes_down") for m in device_metrics.values())
-    return sum(int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**40)
-
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:
     return asdict(record)

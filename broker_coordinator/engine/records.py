@@ -1,0 +1,75 @@
+"""What a round leaves behind: its record (participants, verdicts on each update, scores, bytes) and
+the checkpoint of everything the next round needs. A mixin of `Coordinator`: it reads the closed
+round and the coordinator's state, and logs and counts the fold's verdicts on the way."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from broker_coordinator.engine.rounds import Round
+from broker_coordinator.reporting.evaluation import federated_score
+from broker_coordinator.settings.round_settings import RoundRecord
+from broker_coordinator.storage.store import Checkpoint
+from models.objectives import Evaluation
+
+log = logging.getLogger("broker_coordinator")
+
+
+class RoundRecords:
+    def _checkpoint(self, record: RoundRecord) -> Checkpoint:
+        """The model, the server rule's and the trust bounds' state and the record of the round just
+        closed: what a restarted coordinator resumes from."""
+        return Checkpoint(record.round, self.version, self.arch, self.weights, record.model_sha256,
+                          self.server_rule.state(), asdict(record),
+                          self.served.weights if self.settings.serve_average else None,
+                          {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
+                           "radius": self.radius.state(), "center": self.center},
+                          self.broadcast.state() if self.broadcast else {})
+
+    def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
+                central: Evaluation | None = None) -> RoundRecord:
+        clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
+        # bounding an honest update is routine (the round line counts it): INFO, not a warning
+        for device, (norm, bound) in rnd.aggregate.clipped.items():
+            log.info("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
+            self.metrics.bounded.labels("norm").inc()
+        centered = getattr(rnd.aggregate, "centered", {})
+        for device, (distance, radius) in centered.items():
+            log.info("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
+                     rnd.number, device, distance, radius)
+            self.metrics.bounded.labels("center").inc()
+            rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
+        if centered:
+            clipped["center"] = len(centered)
+        if rnd.weights_clipped:
+            clipped["weight"] = rnd.weights_clipped
+        for device, cosine in rnd.aggregate.gated.items():
+            log.warning("round %d: update from %s left out: it points away from the round's median "
+                        "(cosine %.2f)", rnd.number, device, cosine)
+            self.metrics.bounded.labels("direction").inc()
+            rnd.device_metrics.setdefault(device, {})["left_out"] = f"direction (cosine {cosine:.2f})"
+        for device, (norm, bound) in rnd.aggregate.clipped.items():
+            rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
+        if rnd.aggregate.gated:
+            clipped["direction"] = len(rnd.aggregate.gated)
+        score = central.score if central else float("nan")
+        accuracy = score if self.objective.task == "classification" else float("nan")
+        # the devices' score describes one model: the newest version the round's reports measured
+        version = max(rnd.evaluated.values(), default=rnd.base_version)
+        reports = {d: r for d, r in rnd.evaluations.items() if rnd.evaluated.get(d, version) == version}
+        federated = federated_score(self.objective.metric, reports, version)
+        return RoundRecord(rnd.number, rnd.attempt, rnd.counted, len(rnd.cohort), accuracy,
+                           central.loss if central else float("nan"), rnd.bytes_up, time.time() - rnd.started,
+                           dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,
+                           dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
+                           "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics))
+
+
+def _bytes_down(device_metrics: Mapping[str, Mapping[str, Any]]) -> int:
+    """Model bytes the round's participants say they received (a measurement, trusted for nothing)."""
+    values = (m.get("bytes_down") for m in device_metrics.values())
+    return sum(int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**40)
