@@ -29,7 +29,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,7 @@ from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 from broker_coordinator.engine.intake import UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
-from broker_coordinator.engine.records import RoundRecords
+from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
 from broker_coordinator.engine.selection import select
@@ -302,7 +301,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             log.warning("round %d attempt %d abandoned: %s; the global model is unchanged",
                         round_no, attempt, rnd.reason)
             if self.store:
-                self.store.record_round(asdict(self._record(rnd, base_sha, base_sha, "abandoned")))
+                self.store.record_round(record_row(self._record(rnd, base_sha, base_sha, "abandoned")))
             if self.stopping.is_set():
                 raise RoundFailed(f"round {round_no} abandoned: {rnd.reason}")
             if self.settings.max_attempts and attempt >= self.settings.max_attempts:
@@ -357,7 +356,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         record.global_score = global_score
         if self.store:
             self.store.save_checkpoint(self._checkpoint(record))
-            self.store.record_round(asdict(record))
+            self.store.record_round(record_row(record))
         self._set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1
         self.metrics.rounds.labels(record.closed).inc()
@@ -373,4 +372,4 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         return record
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:
-    return asdict(record)
+    return record_row(record)
