@@ -123,6 +123,8 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
     echo(f"devices: {online} online of {len(devices)} seen")
     for d in devices:
         seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
+        # by the fold's verdict: a left-out update is accepted but contributed nothing
+        unjudged = f", other accepted answers {d['unjudged']}" if d["unjudged"] else ""
         echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
-             f"rounds contributed {d['rounds']}")
+             f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}")
     return 0

@@ -45,6 +45,7 @@ from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
 from broker_coordinator.engine.selection import select
+from broker_coordinator.engine.verdicts import REPLAY_ROUNDS, Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import limits
 from broker_coordinator.settings.round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSettings is imported from here)
@@ -62,7 +63,6 @@ from models.datasets import Dataset
 from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator")
-REPLAY_ROUNDS = 10  # rounds whose accepted answers the replay guard remembers
 
 
 class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
@@ -114,6 +114,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.device_keys: dict[str, bytes] = dict(device_keys or {})  # device -> HMAC key (from enrollment)
         # (device, round, attempt) -> sha256 of the accepted payload: replay guard, and resends are recognised
         self.accepted: dict[tuple[str, int, int], str] = {}
+        self.verdicts = Verdicts()  # what the fold made of each accepted update (engine/verdicts.py)
         self.sample_weights = SampleWeights(settings.weighting, settings.weight_cap)
         self.norm_bound = NormBound(settings.norm_bound)
         # centered_clip: the last applied aggregate step is the next round's centre (known before the
@@ -300,6 +301,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             self.metrics.rounds.labels("abandoned").inc()
             log.warning("round %d attempt %d abandoned: %s; the global model is unchanged",
                         round_no, attempt, rnd.reason)
+            self._abandoned(rnd)
             if self.store:
                 self.store.record_round(record_row(self._record(rnd, base_sha, base_sha, "abandoned")))
             if self.stopping.is_set():
@@ -332,8 +334,10 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.closed_at[round_no] = time.time()
         # the replay guard needs only recent rounds: older answers are rejected as late anyway
         self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
+        self.verdicts.forget(round_no - REPLAY_ROUNDS + 1)
         if rnd.train:
             aggregate = rnd.aggregate.mean()
+            self._flushed(rnd)  # the verdicts the close decided go out
             self.center = aggregate
             self.weights = self.server_rule.new_global(self.weights, aggregate,
                                                        self.extras.mean() if self.extras is not None else None)

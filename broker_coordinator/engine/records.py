@@ -63,6 +63,7 @@ class RoundRecords:
             rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
         if rnd.aggregate.gated:
             clipped["direction"] = len(rnd.aggregate.gated)
+        left_out = self._left_out(rnd, closed)
         score = central.score if central else float("nan")
         accuracy = score if self.objective.task == "classification" else float("nan")
         # the devices' score describes one model: the newest version the round's reports measured
@@ -73,7 +74,21 @@ class RoundRecords:
                            central.loss if central else float("nan"), rnd.bytes_up, time.time() - rnd.started,
                            dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,
                            dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
-                           "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics))
+                           "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics), left_out=left_out)
+
+    def _left_out(self, rnd: Round, closed: str) -> float:
+        """The fraction of the round's accepted updates the fold left out (an abandoned attempt folded
+        none), also a Prometheus gauge; each device's verdict goes into its entry of the record."""
+        count = rnd.aggregate.count if rnd.train else 0
+        left = count if closed == "abandoned" else len(rnd.aggregate.gated)
+        fraction = left / count if count else 0.0
+        self.metrics.left_out.set(fraction)
+        verdicts = getattr(self, "verdicts", None)
+        for device, metrics in rnd.device_metrics.items():
+            verdict = verdicts.of((device, rnd.number, rnd.attempt)) if verdicts is not None else None
+            if verdict is not None and verdict.kind:
+                metrics["verdict"] = verdict.kind
+        return fraction
 
 
 def _bytes_down(device_metrics: Mapping[str, Mapping[str, Any]]) -> int:

@@ -164,6 +164,7 @@ class RoundRecord:
     kind: str = "train"  # "train", or "evaluate" for an evaluation-only round
     bytes_down: int = 0  # model bytes the participants report receiving since their last update
     global_score: float | None = None  # downlink = "delta": `score` of the server rule's G (`score` is B's)
+    left_out: float = 0.0  # fraction of the accepted updates the fold left out (an abandoned attempt: all)
 
 
 def check_buffered(settings: RoundSettings) -> None:
