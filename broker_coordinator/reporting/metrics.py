@@ -30,6 +30,8 @@ class Metrics:
                            ["metric", "where"], registry=r)
         self.loss = Gauge("edgefl_test_loss", "Global model loss on the held-out set", registry=r)
         self.round = Gauge("edgefl_round", "Last finished round", registry=r)
+        self.privacy_epsilon = Gauge("edgefl_privacy_epsilon", "Epsilon spent so far at the configured delta "
+                                     "([privacy] mode = central; user-level, over the applied versions)", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
 
     def serve(self, port: int, bind: str = "127.0.0.1") -> None:
