@@ -58,6 +58,7 @@ class PrivateRounds:
         self.random = secrets.SystemRandom()
         self.last: dict[str, float] = {}  # the last applied version's releases (noise std, clip, b~)
         self.stopped = ""
+        self.ledger.epsilon((self.sampling, self.z))  # the accountant's curve, computed before any round opens
         log.info("privacy: %s sampling of %d of %d devices, z = %.4g (update noise %.4g), delta %g, %s clip, "
                  "%s accountant%s", settings.sampling, self.cohort_size, population, self.z, self.z_delta,
                  settings.delta, "adaptive" if settings.adaptive else f"fixed {settings.clip:g}",
