@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                             settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, 0.05),
                             args.synthetic_rounds, seed) for seed in range(args.synthetic_seeds)]
             cohort[eps] = summarize(per_seed)
+            partial(args.out, runs)
     if args.only != "1000of10000":
         fed = headline()
         cohort = runs.setdefault("10of20", {})
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                             settings_for("fedavg", eps, 10, 20, args.rounds, args.clip_initial, 0.05),
                             args.rounds, seed) for seed in range(args.seeds)]
             cohort[eps] = summarize(per_seed)
+            partial(args.out, runs)
     for flag, value, full in (("rounds", args.rounds, 40), ("seeds", args.seeds, 3),
                               ("synthetic_rounds", args.synthetic_rounds, 40),
                               ("synthetic_seeds", args.synthetic_seeds, 3)):
@@ -160,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".md").write_text(report(result))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
+
+
+def partial(out: Path, runs: dict) -> None:
+    """The rows so far, beside the result (not in bench/results' schema: no measured_with yet)."""
+    out.with_suffix(".partial").write_text(json.dumps(runs))
 
 
 def summarize(per_seed: list[dict]) -> dict:
