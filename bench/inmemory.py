@@ -97,7 +97,11 @@ class InMemoryFederation:
     def round(self, round_no: int) -> RoundRecord | None:
         """One round through the coordinator's own intake and fold; None if nothing was accepted."""
         k = len(self.devices) if self.clients_per_round == 0 else min(self.clients_per_round, len(self.devices))
-        cohort = sorted(select(self.settings.selection, self.devices, k, self.rng, self.last_metrics))
+        private = self.coordinator.privacy  # [privacy]: its own sampling and budget stop, as over MQTT
+        if private:
+            private.check_budget(round_no)
+        cohort = sorted(private.cohort(self.devices) if private else
+                        select(self.settings.selection, self.devices, k, self.rng, self.last_metrics))
         hp = self.settings.task_hparams(round_no)
         trained = {device: self._train(device, round_no, hp) for device in cohort}
         try:

@@ -41,6 +41,7 @@ from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 from broker_coordinator.engine.intake import UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
+from broker_coordinator.engine.private_rounds import PrivateRounds
 from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
@@ -135,6 +136,9 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self._resumed = False  # the state came from a checkpoint
         # version -> sha256 of its release: intake rejects an update whose reported base is another model
         self.released_sha: dict[int, str] = {}
+        # [privacy] mode = "central": the private fold replaces the robust one (engine/private_rounds.py)
+        self.privacy = PrivateRounds(settings.privacy, settings.privacy.population or len(self.device_keys),
+                                     settings.clients_per_round) if settings.privacy.on else None
         if store:
             self._resume(store)
 
@@ -155,6 +159,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         center = ckpt.trust.get("center")
         self.center = {n: np.asarray(center[n], dtype=np.float32) for n in self.specs} if center else None
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
+        if self.privacy:
+            self.privacy.load_state(ckpt.trust.get("privacy") or {})
         if self.broadcast is not None and not self.broadcast.load(ckpt.downlink, self.version):
             # no broadcast state for this version (an older checkpoint, a rollback): B starts as G,
             # and every device fetches the full model once
@@ -235,7 +241,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             self._drain(min(0.5, deadline - time.time()))
         eligible = self.eligible()
         k = len(eligible) if s.clients_per_round == 0 else s.clients_per_round
-        cohort = set(select(s.selection, eligible, k, self.rng, self.last_metrics))
+        cohort = (self.privacy.cohort(eligible) if self.privacy
+                  else set(select(s.selection, eligible, k, self.rng, self.last_metrics)))
         rnd = self._open_round(round_no, attempt, cohort, deadline, len(self.online))
         rnd.train = not s.evaluation_only(round_no)
         if self.on_state:
@@ -290,6 +297,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         base_sha = model_sha256(self.weights)
         # attempt numbers never repeat for a round, across restarts too: an answer names its attempt
         attempt = max(self.attempts.get(round_no, 0), self.store.last_attempt(round_no) if self.store else 0)
+        if self.privacy:
+            self.privacy.check_budget(round_no)  # raises BudgetSpent: the round is not opened
         while True:
             attempt += 1
             self.attempts[round_no] = attempt
@@ -316,8 +325,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.server_rule.start_round(round_no, population)
         self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
         self.sample_weights.start_round()
-        return Round(round_no, attempt, cohort, deadline, self.version,
-                     RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
+        return Round(round_no, attempt, cohort, deadline, self.version, self.privacy.fold(self.specs) if self.privacy
+                     else RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
                                  self._reference(round_no), self.center, self.radius))
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
@@ -338,6 +347,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         if rnd.train:
             aggregate = rnd.aggregate.mean()
             self._flushed(rnd)  # the verdicts the close decided go out
+            if self.privacy:
+                self.privacy.applied(rnd.aggregate)
             self.center = aggregate
             self.weights = self.server_rule.new_global(self.weights, aggregate,
                                                        self.extras.mean() if self.extras is not None else None)
@@ -365,6 +376,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.next_round = round_no + 1
         self.metrics.rounds.labels(record.closed).inc()
         self.metrics.round_seconds.observe(record.seconds)
+        if self.privacy:
+            self.metrics.privacy_epsilon.set(self.privacy.spent)
         if central is not None:
             self.metrics.score.labels(central.metric, "central").set(central.score)
             self.metrics.loss.set(central.loss)

@@ -34,11 +34,14 @@ class RoundRecords:
                           self.server_rule.state(), record_row(record),
                           self.served.weights if self.settings.serve_average else None,
                           {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
-                           "radius": self.radius.state(), "center": self.center},
+                           "radius": self.radius.state(), "center": self.center,
+                           **({"privacy": self.privacy.state()} if self.privacy else {})},
                           self.broadcast.state() if self.broadcast else {})
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
+        if self.privacy:  # which device was clipped is not released (the record gives the noisy fraction)
+            rnd.aggregate.clipped = {}
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
         # bounding an honest update is routine (the round line counts it): INFO, not a warning
         for device, (norm, bound) in rnd.aggregate.clipped.items():
@@ -74,7 +77,8 @@ class RoundRecords:
                            central.loss if central else float("nan"), rnd.bytes_up, time.time() - rnd.started,
                            dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,
                            dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
-                           "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics), left_out=left_out)
+                           "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics), left_out=left_out,
+                           privacy=self.privacy.summary() if self.privacy else {})
 
     def _left_out(self, rnd: Round, closed: str) -> float:
         """The fraction of the round's accepted updates the fold left out (an abandoned attempt folded

@@ -32,6 +32,8 @@ class Metrics:
         self.round = Gauge("edgefl_round", "Last finished round", registry=r)
         self.left_out = Gauge("edgefl_round_left_out_fraction", "Fraction of the last round's accepted updates "
                               "that the fold left out (direction gate, or the attempt was abandoned)", registry=r)
+        self.privacy_epsilon = Gauge("edgefl_privacy_epsilon", "Epsilon spent so far at the configured delta "
+                                     "([privacy] mode = central; user-level, over the applied versions)", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
 
     def serve(self, port: int, bind: str = "127.0.0.1") -> None:

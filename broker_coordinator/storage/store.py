@@ -168,6 +168,8 @@ class Store:
         target = _read_checkpoint(path)
         current = self.recover_checkpoint()
         newest = max([target.version] + ([current.version] if current else []))
+        if current is not None and "privacy" in current.trust:  # a rollback never refunds epsilon
+            target.trust["privacy"] = current.trust["privacy"]
         target.version = newest + 1
         atomic_write(self.dir / CHECKPOINT, _pack_checkpoint(target))
         with self.db:
