@@ -128,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairwise", action="store_true", help="only a pairwise-covering subset of the cells")
     parser.add_argument("--versions", type=int, default=VERSIONS)
+    parser.add_argument("--rerun-failed", type=int, nargs="+", metavar="SEED",
+                        help="rerun the cells composition.json records as failed, with these seeds: "
+                             "bench/results/composition_reruns.json (a failure that holds, or noise)")
     args = parser.parse_args(argv)
+    if args.rerun_failed:
+        return rerun_failed(args.rerun_failed, args.versions)
     refused, runnable = [], []
     for cell in cells():
         why = refusal(cell)
@@ -164,6 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / f"{name}.md").write_text(text)
     print(f"wrote {RESULTS / name}.json and .md")
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def rerun_failed(seeds: list[int], versions: int) -> int:
+    """The failed cells of the last full run again, once per seed, beside (not instead of) it."""
+    full = json.loads((RESULTS / "composition.json").read_text())
+    failed = [Cell(*(row[k] for k in AXES)) for row in full["cells"] if not row["ok"]]
+    rows = []
+    for cell in failed:
+        for seed in seeds:
+            with tempfile.TemporaryDirectory(prefix="edgefl-composition-") as tmp:
+                row = {**run_cell(cell, Path(tmp), versions=versions, seed=seed), "seed": seed}
+            rows.append(row)
+            print(f"{cell.name()} seed {seed}: {'ok' if row['ok'] else 'FAILED'} "
+                  f"{row['first_score']} -> {row['final_score']}", flush=True)
+    out = {"measured_with": provenance.measured_with(
+               provenance.invoked(), provenance.deciding(RoundSettings()), data="digits (sklearn)", agents=AGENTS,
+               versions=versions, sites=SITES, round_timeout=20.0, buffer_size=3, seeds=seeds,
+               reruns_of=f"composition.json at {full['measured_with']['commit']}"),
+           "cells": rows}
+    (RESULTS / "composition_reruns.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
