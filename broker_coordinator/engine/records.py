@@ -28,7 +28,8 @@ class RoundRecords:
                           self.served.weights if self.settings.serve_average else None,
                           {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
                            "radius": self.radius.state(), "center": self.center},
-                          self.broadcast.state() if self.broadcast else {})
+                          self.broadcast.state() if self.broadcast else {},
+                          server_optimizer=self.server_optimizer.state())
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
