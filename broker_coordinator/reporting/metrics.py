@@ -31,6 +31,8 @@ class Metrics:
         self.loss = Gauge("edgefl_test_loss", "Global model loss on the held-out set", registry=r)
         self.round = Gauge("edgefl_round", "Last finished round", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
+        self.tracking_failures = Counter("edgefl_tracking_failures", "Writes to a run tracker (TensorBoard, "
+                                         "MLflow) that failed; the rounds go on", ["sink"], registry=r)
 
     def serve(self, port: int, bind: str = "127.0.0.1") -> None:
         start_http_server(port, addr=bind, registry=self.registry)
