@@ -130,7 +130,7 @@ class RoundSettings:
         if self.server_lr is not None:
             return self.server_lr
         if self.server_optimizer == "momentum":
-            return 1.0 - self.server_momentum
+            return round(1.0 - self.server_momentum, 12)
         return DEFAULT_SERVER_LR.get(self.server_optimizer, 1.0)
 
     def evaluation(self, has_test_set: bool) -> tuple[bool, bool]:
