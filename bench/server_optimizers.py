@@ -3,7 +3,7 @@
 The shipped engine without a broker (`bench.inmemory`: the agent's local training, the coordinator's
 intake, fold, server rule and server optimizer) on digits (`digits_mlp`, 10 clients, Dirichlet 0.3,
 all 10 per round, 1 local epoch, float32 updates), 20 rounds, seeds 1-2. Rows: fedavg, feddyn and
-dynsam, each with the server optimizers at their default rates, and momentum also at
+dynsam, each with the server optimizers at their rates for an unset server_lr, and momentum also at
 server_momentum 0.5. It answers one question the docs need: what a server optimizer does on top
 of a server rule that already carries state (FedDyn's and DynSAM's dual H).
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Server optimizers on every algorithm (small, in process)", "",
              f"`python -m bench.server_optimizers` (bench/server_optimizers.py): digits, {CLIENTS} clients "
              f"({PARTITION}), all per round, 1 local epoch, float32 updates, {ROUNDS} rounds, seeds "
-             f"{', '.join(map(str, seeds))}; each server optimizer at its default rate. Test accuracy in %, "
+             f"{', '.join(map(str, seeds))}; each server optimizer at its rate for an unset server_lr. Test accuracy in %, "
              "mean of the seeds (final / best of the run).", "",
              "| algorithm | " + " | ".join(OPTIMIZERS) + " |", "|---|" + "---|" * len(OPTIMIZERS)]
     for algorithm in ALGORITHMS:
