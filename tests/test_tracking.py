@@ -193,3 +193,54 @@ def test_simulate_tracks_every_round_in_tensorboard_and_mlflow(tmp_path, monkeyp
     assert params["rounds.server_optimizer"] == "momentum" and params["simulation.agents"] == "3"
     assert {"accuracy.png", "history.json"} <= {f.path for f in client.list_artifacts(run.info.run_id)}
     assert run.info.status == "FINISHED"
+
+
+def test_run_tracks_every_round_and_checkpoints_the_server_optimizer(tmp_path, monkeypatch):
+    """`broker-coordinator run` with [tracking] and a server optimizer, against a real Mosquitto and two agents."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from broker_coordinator.access.broker import COORDINATOR_USER
+    from broker_coordinator.simulation.private_broker import PrivateBroker
+    from broker_coordinator.storage.store import Store
+    from edgefl_protocol import signing
+    from edgefl_protocol.settings import to_toml
+
+    from .fleet import Fleet, spawn, write_test_set
+    fed = "trk"
+    broker = PrivateBroker(tmp_path / "broker", fed)
+    broker.add_user(COORDINATOR_USER)
+    for device in ("dev-0", "dev-1"):
+        broker.add_user(device)
+    with broker:
+        fleet = Fleet(tmp_path, broker, fed, ["dev-0", "dev-1"])
+        state_dir, uri = tmp_path / "state", f"file:{tmp_path / 'mlruns'}"
+        config = tmp_path / "coordinator.toml"
+        config.write_text(to_toml({
+            "federation": {"name": fed, "model": "digits_mlp", "rounds": 3,
+                           "test_data": str(write_test_set(tmp_path / "test.npz", fleet.test))},
+            "broker": {"host": broker.host, "port": broker.port, "username": COORDINATOR_USER,
+                       "password": broker.users[COORDINATOR_USER]},
+            "rounds": {"local_epochs": 1, "min_updates": 2, "round_timeout": 30, "server_optimizer": "adam"},
+            "storage": {"state_dir": str(state_dir)},
+            "tracking": {"tensorboard": str(tmp_path / "tb"), "mlflow": uri, "run_name": "prod"},
+        }))
+        signing.write_key_file(state_dir / "device_keys.toml", fleet.keys)
+        coordinator = spawn(["-m", "broker_coordinator", "run", "--config", str(config)], tmp_path / "run.log")
+        try:
+            assert coordinator.wait(timeout=240) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            if coordinator.poll() is None:  # exactly the process this test started
+                coordinator.kill()
+                coordinator.wait()
+            fleet.stop()
+    assert "failed" not in (tmp_path / "run.log").read_text()
+    events = read_tensorboard(tmp_path / "tb")
+    assert [e.step for e in events.Scalars("global/accuracy")] == [1, 2, 3]
+    client, run = read_mlflow(uri, fed, monkeypatch)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "round/participants")] == [1, 2, 3]
+    assert run.info.status == "FINISHED" and run.data.params["rounds.server_optimizer"] == "adam"
+    assert "broker.password" not in run.data.params and run.data.params["broker.username"] == COORDINATOR_USER
+    assert "accuracy.png" in {f.path for f in client.list_artifacts(run.info.run_id)}
+    ckpt = Store(state_dir).load_checkpoint()
+    assert ckpt.round == 3 and ckpt.server_optimizer["name"] == "adam" and ckpt.server_optimizer["steps"] == 3
+    assert set(ckpt.server_optimizer["m"]) == set(ckpt.weights)
