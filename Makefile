@@ -30,7 +30,7 @@ FIELD_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
+.PHONY: privacy composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -65,6 +65,9 @@ fault-drill: setup mosquitto  # bench/results/fault_drill.json, fault_drill.md (
 
 scale: setup mosquitto  # bench/results/scale.json, scale.md (10,000 emulated devices, flat and in 4 sites)
 	nice -n 10 $(BIN)/python -m bench.scale $(SCALE_ARGS)
+
+privacy: setup  # bench/results/privacy.json, privacy.md: accuracy against epsilon (sized with PRIVACY_ARGS)
+	nice -n 10 $(BIN)/python -m bench.privacy $(PRIVACY_ARGS)
 
 spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
 	nice -n 10 $(BIN)/python -m bench.spool

@@ -6,8 +6,9 @@ deadline when the task says `local_epochs = 0` (`hardware.plan_epochs`), trains 
 algorithm's client rule (`training.train_locally`), encodes the delta with the task's codec and its
 own error feedback, and signs the update with its key. The signed payloads go through the real
 `Coordinator.fold_round`: signature, validation, trust bounds, the default fold, the server rule,
-evaluation. A device commits its algorithm state and its codec residual only when its update was
-accepted, as the agent does on its receipt.
+evaluation. A device commits its algorithm state and its codec residual only for what the fold
+folded, as it folded it (the verdict its receipt would carry), as the agent does
+(`edge_agent.settlement`).
 
 What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
 against `round_timeout` at its emulated speed), and a device's speed is the host's calibrated
@@ -31,7 +32,8 @@ from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.fleet import PROFILES
 from broker_coordinator.simulation.in_memory import fold_round
-from edge_agent.agent import local_settings, owed
+from edge_agent.agent import local_settings
+from edge_agent.settlement import Sent, apply_verdict
 from edge_agent.hardware import calibrate, plan_epochs
 from edge_agent.training import train_locally
 from edgefl_protocol import algorithms, codec, messages, signing
@@ -95,7 +97,11 @@ class InMemoryFederation:
     def round(self, round_no: int) -> RoundRecord | None:
         """One round through the coordinator's own intake and fold; None if nothing was accepted."""
         k = len(self.devices) if self.clients_per_round == 0 else min(self.clients_per_round, len(self.devices))
-        cohort = sorted(select(self.settings.selection, self.devices, k, self.rng, self.last_metrics))
+        private = self.coordinator.privacy  # [privacy]: its own sampling and budget stop, as over MQTT
+        if private:
+            private.check_budget(round_no)
+        cohort = sorted(private.cohort(self.devices) if private else
+                        select(self.settings.selection, self.devices, k, self.rng, self.last_metrics))
         hp = self.settings.task_hparams(round_no)
         trained = {device: self._train(device, round_no, hp) for device in cohort}
         try:
@@ -103,7 +109,7 @@ class InMemoryFederation:
         except RoundFailed:
             record = None
         for device, work in trained.items():
-            self._settle(device, work, (device, round_no, 1) in self.coordinator.accepted)
+            self._settle(device, round_no, work)
             self.last_metrics[device] = work.metrics
         return record
 
@@ -135,20 +141,20 @@ class InMemoryFederation:
         return Trained(messages.encode_update(update, self.keys[device]), rule, before, encoded, delta,
                        old_residual, dict(out.metrics))
 
-    def _settle(self, device: str, work: Trained, accepted: bool) -> None:
-        """The agent's answer to its receipt: commit what the server folded, or owe all of it."""
-        state, ef = self.states[device], self.states[device].setdefault("codec", {})
-        if accepted:
-            lossless = codec.parse(work.encoded.codec).lossless
-            work.rule.committed(work.delta if lossless else
-                                codec.decode(work.encoded.codec, work.encoded.specs, work.encoded.body, None,
-                                             MAX_VALUES))
-            ef["residual"] = work.encoded.residual
+    def _settle(self, device: str, round_no: int, work: Trained) -> None:
+        """The agent's answer to its receipt: commit what the fold folded, at its scale; owe all of it
+        when the coordinator rejected it (`edge_agent.settlement`)."""
+        verdict = self.coordinator.verdicts.of((device, round_no, 1))
+        if (device, round_no, 1) not in self.coordinator.accepted:
+            kind, scale = "rejected", 0.0
+        elif verdict is None or verdict.kind not in ("folded", "clipped", "left_out"):
+            kind, scale = "unknown", 0.0  # never: fold_round closes the round, so every verdict is final
         else:
-            state[self.algorithm.name] = work.before
-            ef["residual"] = owed(work.delta, work.old_residual) if work.encoded.residual is not None else None
-        if ef.get("residual") is None:
-            ef.pop("residual", None)
+            kind, scale = verdict.kind, verdict.scale
+        task = messages.Task(round_no, self.coordinator.version, 0.0, self.algorithm.name)
+        sent = Sent(task, work.payload, self.algorithm.name, work.rule, work.before, work.delta, work.encoded,
+                    work.old_residual, {}, list(self.states[device].get("codec", {}).get("owed", [])))
+        apply_verdict(self.states[device], sent, kind, scale)
 
 
 def set_threads(n: int = 1) -> None:

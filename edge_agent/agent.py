@@ -15,7 +15,11 @@ the device state (saved once per round with the rest).
 
 A broker's acknowledgement is not delivery: the agent resends its update
 until the coordinator's receipt for that round and attempt arrives, or the
-deadline passes, and logs the verdict either way. A task it will not run
+deadline passes, and logs the verdict either way. The receipt says what the
+fold made of the update (folded, clipped, left out, or pending with a second
+receipt to come), and the device commits its algorithm state and residual only
+for what was folded, as it was folded (`settlement`); an update still without
+a verdict is resent before the next training task. A task it will not run
 (settings out of range, a model that does not fit) gets a signed refusal
 with the reason, so the coordinator can say why a round found no quorum.
 """
@@ -48,6 +52,7 @@ from .data_sources import DataSource, LocalData, check_fits, open_source
 from .hardware import calibrate, default_threads, plan_epochs, probe
 from .model_fetch import DOWN_COUNTERS, MAX_MODEL_BYTES, MAX_MODEL_VALUES, ModelFetch
 from .runtime import record_session
+from .settlement import SETTLE_WAIT, Settlement, describe, owed  # noqa: F401 (owed is imported from here)
 from .state import DeviceState
 from .training import LocalSettings, Stopped, train_locally
 
@@ -64,15 +69,7 @@ def local_settings(hp: dict) -> LocalSettings:
                          momentum=v["momentum"], weight_decay=v["weight_decay"], grad_clip=v["grad_clip"])
 
 
-def owed(delta: dict, residual: dict | None) -> dict:
-    """Error feedback after an update that never arrived: the old residual plus the whole delta
-    (model tensors only; `extra.*` state is resent afresh next round)."""
-    residual = residual or {}
-    return {name: value + residual[name] if name in residual and residual[name].shape == value.shape else value
-            for name, value in delta.items() if not name.startswith(EXTRA_PREFIX)}
-
-
-class Agent(ModelFetch):
+class Agent(ModelFetch, Settlement):
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.fed, self.device = config.device.federation, config.device.id
@@ -309,7 +306,8 @@ class Agent(ModelFetch):
                                passes_per_step=float(hp.get("passes_per_step", 1.0)))
             epochs, epochs_reason = plan.epochs, plan.reason
         settings.epochs = epochs
-        before = copy.deepcopy(self.state.section(algorithm.name))  # restored if the update is not delivered
+        self._settle_unsettled(task)  # an earlier update without a verdict: asked for before training
+        before = copy.deepcopy(self.state.section(algorithm.name))  # restored unless the update is folded
         rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name), self.released)
         seed = zlib.crc32(f"{self.device}/{task.round}".encode())
         self.busy = True
@@ -333,6 +331,7 @@ class Agent(ModelFetch):
         # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
         result.metrics["model_sha"] = release.sha256[:16]
         result.metrics["model_via"] = self.arrived_via.get(release.version, "cache")
+        result.metrics.update(self._claims())  # earlier updates its residual still owes (never folded)
         old_residual = ef.get("residual")
         encoded = codec.encode(result.delta, task.codec, old_residual)
         update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
@@ -343,20 +342,12 @@ class Agent(ModelFetch):
         log.info("round %d: trained (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
                  result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
                  result.metrics["train_seconds"])
-        outcome = self._deliver(task, messages.encode_update(update, self.key or b""), "update")
-        if outcome == "accepted":
-            # state the server mirrors follows what it received: the decoded delta, not the local one
-            rule.committed(result.delta if codec.parse(encoded.codec).lossless else
-                           codec.decode(encoded.codec, encoded.specs, encoded.body, None, MAX_MODEL_VALUES))
-            ef["residual"] = encoded.residual
-        else:
-            # the server did not fold it (or we cannot know that it did): the dual stays as it was and
-            # all of the delta is still owed
-            self._give_back_down_counts(down)
-            self.state.data[algorithm.name] = before
-            ef["residual"] = owed(result.delta, old_residual) if encoded.residual is not None else None
-        if ef.get("residual") is None:
-            ef.pop("residual", None)
+        payload = messages.encode_update(update, self.key or b"")
+        sent = self._sent(task, payload, algorithm.name, rule, before, result.delta, encoded, old_residual, down)
+        outcome = self._deliver(task, payload, "update")
+        # state the server mirrors follows what it folded: the decoded delta, at the fold's scale
+        self._settle(sent, self.last_receipt if outcome != "unsent" else  # never reached the broker
+                     messages.Receipt(task.round, task.attempt, False, "unsent", "not delivered"))
         self.state.save()  # once per round: algorithm state, residuals, progress
 
     def _refuse(self, task: messages.Task, why: Rejected) -> None:
@@ -365,11 +356,12 @@ class Agent(ModelFetch):
 
     def _deliver(self, task: messages.Task, payload: bytes, what: str) -> str:
         """Publish, then wait for the coordinator's receipt; resend while none comes, until the deadline.
-        The log says what became of it, either way; so does the result: accepted, rejected,
-        superseded (a newer task came first), no_receipt, or unsent."""
+        The log says what became of it, either way; so does the result: accepted, rejected, pending
+        (accepted, the fold's final verdict not yet known), superseded (a newer task came first),
+        no_receipt, or unsent; `last_receipt` is the receipt it settled on, if any."""
         key = (task.round, task.attempt)
         topic = topics.update(self.fed, self.device)
-        sends = 0
+        sends, self.last_receipt = 0, None
         while time.time() < task.deadline and not self.stopping.is_set():
             if not self.session.publish_until(topic, payload, task.deadline):
                 break
@@ -389,10 +381,15 @@ class Agent(ModelFetch):
             if receipt is None:
                 log.info("round %d: no receipt for the %s yet; sending it again", task.round, what)
                 continue
+            if receipt.accepted and receipt.verdict == "pending":
+                log.info("round %d: %s accepted by the coordinator%s", task.round, what, describe(receipt))
+                receipt = self._await_final(key, task.deadline + SETTLE_WAIT) or receipt
+            self.last_receipt = receipt
             if receipt.accepted:
-                log.info("round %d: %s accepted by the coordinator%s", task.round, what,
-                         f" (sent {sends} times)" if sends > 1 else "")
-                return "accepted"
+                log.log(logging.INFO if receipt.verdict != "left_out" else logging.WARNING,
+                        "round %d: %s accepted by the coordinator%s%s", task.round, what, describe(receipt),
+                        f" (sent {sends} times)" if sends > 1 else "")
+                return "pending" if receipt.verdict == "pending" else "accepted"
             log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
                         receipt.reason, receipt.detail)
             return "rejected"

@@ -101,7 +101,12 @@ class Receipt:
     attempt: int
     accepted: bool
     reason: str = ""  # the rejection reason; "" when accepted
-    detail: str = ""
+    detail: str = ""  # why it was rejected, or what the fold did to it (e.g. "norm 2.1 -> 1.5")
+    # what the fold made of an accepted update: folded | clipped | left_out | pending (a second
+    # receipt with the final verdict follows); on a rejection, "not_folded" when the coordinator
+    # vouches that it never accepted it. "" from a coordinator that predates verdicts.
+    verdict: str = ""
+    scale: float = 1.0  # clipped: the multiple of its delta the device commits (left_out: 0)
 
 
 @dataclass
@@ -315,7 +320,15 @@ def _update(obj: dict[str, Any]) -> Update:
 def decode_receipt(data: bytes, max_bytes: int = 4096) -> Receipt:
     obj = _unpack(data, "receipt", max_bytes)
     return Receipt(round=_field(obj, "round", int), attempt=_attempt(obj), accepted=_field(obj, "accepted", bool),
-                   reason=_string(obj, "reason"), detail=_field(obj, "detail", str))
+                   reason=_string(obj, "reason"), detail=_field(obj, "detail", str),
+                   verdict=_optional(obj, "verdict", str, "")[:MAX_STRING],
+                   scale=_scale(_optional(obj, "scale", (int, float), 1.0)))
+
+
+def _scale(value: float) -> float:
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise Rejected("schema", f"receipt scale must be in [0, 1], got {value!r}")
+    return float(value)
 
 
 def decode_model(data: bytes, max_bytes: int) -> ModelRelease:

@@ -140,7 +140,7 @@ def test_answers_to_no_open_task_are_rejected_with_their_reason(tmp_path):
     assert "d1" in c.working and "d3" not in c.working  # d1 still holds its task
 
 
-def test_a_resend_is_answered_while_buffered_and_a_replay_after_the_version_is_applied(tmp_path):
+def test_a_resend_is_answered_while_buffered_and_after_the_version_is_applied(tmp_path):
     c, buffer = _coordinator(tmp_path)
     _task(c, "d1", 0, 1)
     update = _answer(c, "d1", 0, 1, 0.1)
@@ -151,8 +151,11 @@ def test_a_resend_is_answered_while_buffered_and_a_replay_after_the_version_is_a
     c._conclude(buffer, "")
     c.folded = set()
     later = c._open_buffer(2)
-    c._on_update(later, "d1", update, time.time())
-    assert c.rejections == {"replay": 1} and later.aggregate.count == 0 and c.version == 1
+    c._on_update(later, "d1", update, time.time())  # the same bytes: answered with their verdict, not folded
+    assert not c.rejections and later.aggregate.count == 0 and c.version == 1
+    assert c.verdicts.of(("d1", 1, 1)).kind == "folded"  # folded into the version being built
+    c._on_update(later, "d1", _answer(c, "d1", 0, 1, 0.2), time.time())  # other bytes for the same task
+    assert c.rejections == {"replay": 1} and later.aggregate.count == 0
 
 
 class FakeSession:

@@ -189,4 +189,4 @@ def test_agent_sigterm_and_status_command(fleet_broker, tmp_path):
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "last round 1 (model version 1" in result.stdout
-    assert "dev-0" in result.stdout and "rounds contributed 1" in result.stdout
+    assert "dev-0" in result.stdout and "rounds folded 1, clipped 0, left out 0" in result.stdout

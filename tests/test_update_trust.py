@@ -1,5 +1,6 @@
-"""End to end through a real Mosquitto: a forged, a replayed and an oversized
-update are each rejected with their reason while training goes on.
+"""End to end through a real Mosquitto: a forged and an oversized update are each
+rejected with their reason, and a replayed one is answered with its verdict and
+never folded again, while training goes on.
 
 dev-a is a real agent process training on digits; dev-b is a real paho client
 that answers its tasks by hand: genuine updates (a zero delta, signed with its
@@ -58,7 +59,7 @@ class HandDevice:
             self.errors.append(exc)
 
 
-def test_forged_replayed_and_oversized_updates_are_rejected_while_training_continues(broker, mqtt_client, tmp_path):
+def test_forged_and_oversized_updates_are_rejected_and_a_replay_never_folds_twice(broker, mqtt_client, tmp_path):
     data = datasets.load("digits")
     shard = tmp_path / "dev-a" / "data.npz"
     datasets.save_npz(shard, data.train.subset(np.arange(600)))
@@ -82,12 +83,13 @@ def test_forged_replayed_and_oversized_updates_are_rejected_while_training_conti
     assert not hand.errors, hand.errors
     assert [(r.participants, r.closed) for r in records] == [(2, "complete")] * 3, log
     assert records[0].rejected == {"signature": 1, "oversized": 1}
-    assert records[1].rejected == {}  # the replay answered round 1: counted, not booked to round 2
+    assert records[1].rejected == {}  # the replay of round 1: the same bytes, answered with round 1's verdict
     assert records[2].rejected == {}
-    assert coordinator.rejections == {"signature": 1, "oversized": 1, "replay": 1}
+    assert coordinator.rejections == {"signature": 1, "oversized": 1}
+    assert coordinator.verdicts.of(("dev-b", 2, 1)).counted  # round 2 folded dev-b's own round 2 update
     assert coordinator.version == 3 and any(not np.array_equal(initial[k], coordinator.weights[k]) for k in initial)
     assert log.count("trained (") == 3 and log.count("update rejected") == 0
-    assert log.count("update accepted by the coordinator") >= 2  # the last receipt may race the shutdown
+    assert log.count("update accepted by the coordinator: ") >= 2  # with its verdict; the last may race the shutdown
 
 
 class FakeClient:

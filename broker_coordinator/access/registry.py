@@ -246,8 +246,11 @@ class Registry:
                 for device, online, last_seen in db.execute("SELECT device, online, last_seen FROM presence"):
                     found[device] = Activity(bool(online), last_seen)
             if "device_rounds" in tables:
+                columns = {r[1] for r in db.execute("PRAGMA table_info(device_rounds)")}
+                # a left-out update was accepted but contributed nothing (older databases: no verdicts)
+                counted = " AND (verdict IS NULL OR verdict != 'left_out')" if "verdict" in columns else ""
                 for device, rounds, last in db.execute("SELECT device, COUNT(DISTINCT round), MAX(round) FROM "
-                                                       "device_rounds WHERE accepted = 1 GROUP BY device"):
+                                                       f"device_rounds WHERE accepted = 1{counted} GROUP BY device"):
                     entry = found.setdefault(device, Activity())
                     entry.rounds, entry.last_round = rounds, last
         return found

@@ -271,8 +271,11 @@ def round_settings(args: argparse.Namespace, given: set[str]):  # noqa: ANN201 (
         flags.pop("codec", None)
     if not args.config:
         return RoundSettings(**flags)
-    table = read_toml(args.config).get("rounds", {})
-    settings = build_section(RoundSettings, {**table, **flags}, f"{args.config} [rounds]")
+    from broker_coordinator.settings.privacy_settings import PrivacySettings
+    raw = read_toml(args.config)
+    privacy = build_section(PrivacySettings, raw.get("privacy", {}), f"{args.config} [privacy]")
+    settings = build_section(RoundSettings, {**raw.get("rounds", {}), **flags, "privacy": privacy},
+                             f"{args.config} [rounds]")
     return settings
 
 

@@ -9,6 +9,7 @@ from typing import Callable
 
 from broker_coordinator.engine.buffered import coordinator_class
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, record_dict
+from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.reporting.report import describe_scores, format_round
 from broker_coordinator.reporting.tracking import RunTracker
@@ -56,6 +57,9 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
         while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
             try:
                 record = coordinator.run_round()
+            except BudgetSpent as exc:  # [privacy] target_epsilon: no further round opens
+                echo(f"stopped: {exc}")
+                break
             except RoundFailed as exc:
                 if coordinator.stopping.is_set():
                     break
@@ -128,10 +132,19 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
         last = rounds[-1] if rounds else ckpt.record
         echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
              f"{describe_scores(last)}, {last['participants']}/{last['selected']} participants")
+    private = (ckpt.trust.get("privacy") if ckpt else None) or {}
+    if private:
+        target, after = private.get("target_epsilon"), private.get("next_epsilon")
+        echo(f"privacy: epsilon {private.get('epsilon', 0.0):.4g} spent at delta {private.get('delta')}"
+             + (f" of target_epsilon {target:g}" if target else "")
+             + (f"; budget spent: the next round would reach {after:.4g}, so no further round opens"
+                if target and after is not None and after > target else ""))
     online = sum(1 for d in devices if d["online"])
     echo(f"devices: {online} online of {len(devices)} seen")
     for d in devices:
         seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
+        # by the fold's verdict: a left-out update is accepted but contributed nothing
+        unjudged = f", other accepted answers {d['unjudged']}" if d["unjudged"] else ""
         echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
-             f"rounds contributed {d['rounds']}")
+             f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}")
     return 0

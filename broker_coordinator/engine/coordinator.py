@@ -29,7 +29,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -43,10 +42,12 @@ from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 from broker_coordinator.engine.intake import UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
-from broker_coordinator.engine.records import RoundRecords
+from broker_coordinator.engine.private_rounds import PrivateRounds
+from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
 from broker_coordinator.engine.selection import select
+from broker_coordinator.engine.verdicts import REPLAY_ROUNDS, Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import limits
 from broker_coordinator.settings.round_settings import RoundRecord, RoundSettings  # noqa: F401 (RoundSettings is imported from here)
@@ -64,7 +65,6 @@ from models.datasets import Dataset
 from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator")
-REPLAY_ROUNDS = 10  # rounds whose accepted answers the replay guard remembers
 
 
 class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
@@ -117,6 +117,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.device_keys: dict[str, bytes] = dict(device_keys or {})  # device -> HMAC key (from enrollment)
         # (device, round, attempt) -> sha256 of the accepted payload: replay guard, and resends are recognised
         self.accepted: dict[tuple[str, int, int], str] = {}
+        self.verdicts = Verdicts()  # what the fold made of each accepted update (engine/verdicts.py)
         self.sample_weights = SampleWeights(settings.weighting, settings.weight_cap)
         self.norm_bound = NormBound(settings.norm_bound)
         # centered_clip: the last applied aggregate step is the next round's centre (known before the
@@ -137,6 +138,9 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self._resumed = False  # the state came from a checkpoint
         # version -> sha256 of its release: intake rejects an update whose reported base is another model
         self.released_sha: dict[int, str] = {}
+        # [privacy] mode = "central": the private fold replaces the robust one (engine/private_rounds.py)
+        self.privacy = PrivateRounds(settings.privacy, settings.privacy.population or len(self.device_keys),
+                                     settings.clients_per_round) if settings.privacy.on else None
         if store:
             self._resume(store)
 
@@ -158,6 +162,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         center = ckpt.trust.get("center")
         self.center = {n: np.asarray(center[n], dtype=np.float32) for n in self.specs} if center else None
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
+        if self.privacy:
+            self.privacy.load_state(ckpt.trust.get("privacy") or {})
         if self.broadcast is not None and not self.broadcast.load(ckpt.downlink, self.version):
             # no broadcast state for this version (an older checkpoint, a rollback): B starts as G,
             # and every device fetches the full model once
@@ -238,7 +244,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             self._drain(min(0.5, deadline - time.time()))
         eligible = self.eligible()
         k = len(eligible) if s.clients_per_round == 0 else s.clients_per_round
-        cohort = set(select(s.selection, eligible, k, self.rng, self.last_metrics))
+        cohort = (self.privacy.cohort(eligible) if self.privacy
+                  else set(select(s.selection, eligible, k, self.rng, self.last_metrics)))
         rnd = self._open_round(round_no, attempt, cohort, deadline, len(self.online))
         rnd.train = not s.evaluation_only(round_no)
         if self.on_state:
@@ -293,6 +300,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         base_sha = model_sha256(self.weights)
         # attempt numbers never repeat for a round, across restarts too: an answer names its attempt
         attempt = max(self.attempts.get(round_no, 0), self.store.last_attempt(round_no) if self.store else 0)
+        if self.privacy:
+            self.privacy.check_budget(round_no)  # raises BudgetSpent: the round is not opened
         while True:
             attempt += 1
             self.attempts[round_no] = attempt
@@ -304,8 +313,9 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             self.metrics.rounds.labels("abandoned").inc()
             log.warning("round %d attempt %d abandoned: %s; the global model is unchanged",
                         round_no, attempt, rnd.reason)
+            self._abandoned(rnd)
             if self.store:
-                self.store.record_round(asdict(self._record(rnd, base_sha, base_sha, "abandoned")))
+                self.store.record_round(record_row(self._record(rnd, base_sha, base_sha, "abandoned")))
             if self.stopping.is_set():
                 raise RoundFailed(f"round {round_no} abandoned: {rnd.reason}")
             if self.settings.max_attempts and attempt >= self.settings.max_attempts:
@@ -318,8 +328,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.server_rule.start_round(round_no, population)
         self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
         self.sample_weights.start_round()
-        return Round(round_no, attempt, cohort, deadline, self.version,
-                     RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
+        return Round(round_no, attempt, cohort, deadline, self.version, self.privacy.fold(self.specs) if self.privacy
+                     else RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
                                  self._reference(round_no), self.center, self.radius))
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
@@ -336,8 +346,12 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.closed_at[round_no] = time.time()
         # the replay guard needs only recent rounds: older answers are rejected as late anyway
         self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
+        self.verdicts.forget(round_no - REPLAY_ROUNDS + 1)
         if rnd.train:
             aggregate = rnd.aggregate.mean()
+            self._flushed(rnd)  # the verdicts the close decided go out
+            if self.privacy:
+                self.privacy.applied(rnd.aggregate)
             self.center = aggregate
             proposed = self.server_rule.new_global(self.weights, aggregate,
                                                    self.extras.mean() if self.extras is not None else None)
@@ -361,11 +375,13 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         record.global_score = global_score
         if self.store:
             self.store.save_checkpoint(self._checkpoint(record))
-            self.store.record_round(asdict(record))
+            self.store.record_round(record_row(record))
         self._set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1
         self.metrics.rounds.labels(record.closed).inc()
         self.metrics.round_seconds.observe(record.seconds)
+        if self.privacy:
+            self.metrics.privacy_epsilon.set(self.privacy.spent)
         if central is not None:
             self.metrics.score.labels(central.metric, "central").set(central.score)
             self.metrics.loss.set(central.loss)
@@ -377,4 +393,4 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         return record
 
 def record_dict(record: RoundRecord) -> dict[str, Any]:
-    return asdict(record)
+    return record_row(record)

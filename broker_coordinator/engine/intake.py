@@ -6,8 +6,12 @@ signature (before anything is parsed), then sender, federation, replay, round,
 attempt and model-version freshness, deadline, cohort, codec, shapes, finite
 values and the optional hard norm bound. A rejection is logged with its
 reason, counted per reason, sent back in the receipt, and never touches the
-global model. A mixin of `Coordinator`: it uses the coordinator's state
-(keys, admission, settings, trust bounds, the open round).
+global model. An accepted update's receipt carries the fold's verdict on it (`verdicts`):
+folded, clipped (to what), left out (why), or pending, with a second receipt when the fold
+decides. An identical resend of an accepted update (its receipt was lost) is answered with that
+verdict again, also after its round closed, while the replay guard remembers the round. A mixin
+of `Coordinator`: it uses the coordinator's state (keys, admission, settings, trust bounds, the
+open round, `verdicts`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import time
 
 from broker_coordinator.aggregation.robust import l2_norm
 from broker_coordinator.engine.rounds import Round
+from broker_coordinator.engine.verdicts import NOT_FOLDED, REPLAY_ROUNDS, Verdict, Verdicts
+from broker_coordinator.settings.choices import STREAMING
 from edgefl_protocol import codec, messages, topics
 from edgefl_protocol.errors import Rejected
 
@@ -39,12 +45,14 @@ class UpdateIntake:
         log.warning("update from %s rejected: %s: %s", device, reason, detail)
 
     def _on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
-        self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
         try:
             answer = self._parse(device, data)
         except Rejected as exc:  # not readable as this device's answer: nothing to address a receipt to
+            self.pending_until.pop(device, None)
             self._rejected(current, device, exc)
             return
+        if self.pending_round.get(device, answer.round) == answer.round:  # not a resend of an older answer
+            self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
         key = (answer.round, answer.attempt)
         try:
             judged = self._judge(current, device, answer, data, arrived)
@@ -52,12 +60,14 @@ class UpdateIntake:
             # booked to the round and attempt it answered: an answer to a closed round is not the open
             # round's rejection (it is logged, counted and stored under the round it names)
             self._rejected(self._books_to(current, key), device, exc, key)
-            self._receipt(device, key, exc)
+            vouch = (device, *key) not in self.accepted and (
+                self._remembers(answer.round) or (current is not None and answer.round == current.number))
+            self._receipt(device, key, exc, Verdict(NOT_FOLDED if vouch else ""))
             return
         if judged is not None:  # None: the same accepted update again (our receipt was lost): answer it again
             assert current is not None
             self._fold(current, device, answer, judged, len(data), hashlib.sha256(data).hexdigest())
-        self._receipt(device, key, None)
+        self._receipt(device, key, None, self.verdicts.of((device, *key)))
 
     def _rejected(self, current: Round | None, device: str, exc: Rejected,
                   answered: tuple[int, int] | None = None) -> None:
@@ -93,7 +103,11 @@ class UpdateIntake:
         delta, weight, steps, weight_note, norm = judged
         if weight_note:
             current.weights_clipped += 1
-        current.aggregate.add(device, {name: delta[name] for name in self.specs}, weight, steps, norm=norm)
+        model_delta = {name: delta[name] for name in self.specs}
+        mark = Verdicts.mark(current.aggregate, device)
+        current.aggregate.add(device, model_delta, weight, steps, norm=norm)
+        verdict = self.verdicts.on_fold(current.aggregate, (device, answer.round, answer.attempt), model_delta,
+                                        self.settings.aggregator in STREAMING, mark)
         if self.extras is not None:
             self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
         self.server_rule.observe(device, answer.num_samples, answer.metrics)
@@ -104,13 +118,34 @@ class UpdateIntake:
         current.answered.add(device)
         self.accepted[(device, answer.round, answer.attempt)] = digest  # the task answered (buffered: not current's)
         current.device_metrics[device] = dict(answer.metrics, num_samples=answer.num_samples, weight=weight)
+        if twice := self.verdicts.double_counted(device, answer.metrics):
+            log.warning("update from %s for round %d says it still owes the delta of %s, which this coordinator "
+                        "folded: that delta counts twice", device, answer.round, ", ".join(twice))
+            self.metrics.bounded.labels("double_count").inc()
+            current.device_metrics[device]["double_count"] = " ".join(twice)
         current.bytes_up += size
         self.last_metrics[device] = dict(answer.metrics)
         self.metrics.accepted.inc()
         self.metrics.bytes_up.inc(size)
         if self.store:
             self.store.record_device_round(answer.round, answer.attempt, device, True, None,
-                                           current.device_metrics[device])
+                                           current.device_metrics[device], verdict.kind, verdict.detail)
+        self._flushed(current)
+
+    def _flushed(self, current: Round) -> None:
+        """Pending updates the fold has decided (a cold start's flush, or the close): their final receipts."""
+        for key, verdict in self.verdicts.settle(current.aggregate):
+            self._final_receipt(key, verdict)
+
+    def _abandoned(self, rnd: Round) -> None:
+        """An abandoned attempt folded nothing: every update it accepted is left out, and told so."""
+        for key, verdict in self.verdicts.abandon(rnd.number, rnd.attempt, rnd.reason):
+            self._final_receipt(key, verdict)
+
+    def _final_receipt(self, key: tuple[str, int, int], verdict: Verdict) -> None:
+        if self.store:
+            self.store.settle_verdict(key[1], key[2], key[0], verdict.kind, verdict.detail)
+        self._receipt(key[0], key[1:], None, verdict)
 
     def _evaluation_in(self, device: str, metrics: dict) -> tuple[float, float, int] | None:
         """The received model's evaluation an update carries when the task asked for one (eval_score,
@@ -129,14 +164,25 @@ class UpdateIntake:
             return None
         return float(score), float(loss), count
 
-    def _receipt(self, device: str, answer: tuple[int, int], rejected: Rejected | None) -> None:
+    def _receipt(self, device: str, answer: tuple[int, int], rejected: Rejected | None,
+                 verdict: Verdict | None = None) -> None:
         """Tell the device what became of its answer (round, attempt), so that it stops resending, or
-        says why in its log."""
+        says why in its log: for an accepted update, the fold's verdict; for a rejection, whether
+        this coordinator vouches that it never accepted it (`not_folded`)."""
         if self.session is None:
             return
-        receipt = messages.Receipt(*answer, rejected is None, rejected.reason if rejected else "",
-                                   rejected.detail[:1000] if rejected else "")
+        verdict = verdict or Verdict("")
+        if rejected is not None:
+            receipt = messages.Receipt(*answer, False, rejected.reason, rejected.detail[:1000], verdict.kind, 0.0)
+        else:
+            receipt = messages.Receipt(*answer, True, "", verdict.detail[:1000], verdict.kind, verdict.scale)
         self.session.publish(topics.receipt(self.fed, device), messages.encode("receipt", receipt), qos=1)
+
+    def _remembers(self, round_no: int) -> bool:
+        """Whether every update accepted for `round_no` is still in the replay guard: a round this
+        process closed, within the guard's window (REPLAY_ROUNDS). A restarted coordinator
+        remembers nothing from before (its rejections do not vouch)."""
+        return round_no in self.closed_at and round_no > max(self.closed_at) - REPLAY_ROUNDS
 
     def _weight_and_steps(self, device: str, update: messages.Update) -> tuple[float, int, str]:
         steps = update.metrics.get("steps", 1)
@@ -170,13 +216,14 @@ class UpdateIntake:
                arrived: float) -> Judged | messages.Refusal | messages.EvalReport | None:
         """A readable answer: replay, freshness, then for an update its tensors, weight, steps, the
         weight's note and, when the hard bound needed it, the delta's norm (the fold reuses it).
-        None for a resend of an update already accepted in the open round. Raises Rejected."""
+        None for a resend of an accepted update (open round or closed: it is answered with its
+        verdict, and never folded twice). Raises Rejected."""
         key = (device, answer.round, answer.attempt)
         if key in self.accepted:
-            still_open = self._still_open(current, answer.round, answer.attempt)
-            if still_open and self.accepted[key] == hashlib.sha256(data).hexdigest():
-                log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent",
-                         device, answer.round, answer.attempt)
+            if self.accepted[key] == hashlib.sha256(data).hexdigest():
+                log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent%s",
+                         device, answer.round, answer.attempt,
+                         "" if self._still_open(current, answer.round, answer.attempt) else " (its round is over)")
                 return None
             raise Rejected("replay", f"{device} already had an update accepted for round {answer.round} "
                                      f"(attempt {answer.attempt})")

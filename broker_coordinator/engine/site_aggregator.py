@@ -17,7 +17,8 @@ workers talking to each other. Otherwise the task's deadline closes the share.
 Trust in a tree: the sample-weight cap and the norm bound are applied per site, against the
 history of the site's own devices, and the fold is the round's streaming fold (`robust.STREAMING`:
 centered_clip, by default, around the centre the site task carries, or mean), judged update by
-update exactly as at the centre. The coordinate-wise median that gated_mean, trimmed_mean and
+update exactly as at the centre, and each device's receipt carries the fold's verdict on its
+update, as the coordinator's does (`verdicts`). The coordinate-wise median that gated_mean, trimmed_mean and
 median need is not a sum, so a partial cannot carry it (`composition` refuses them in sites).
 The site's trust history lives in the worker's memory: a restarted worker starts cold (equal
 weights and its first round's own median norm, as a fresh coordinator does).
@@ -58,11 +59,11 @@ from broker_coordinator.aggregation.partials import (
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
-from broker_coordinator.engine.coordinator import REPLAY_ROUNDS
 from broker_coordinator.engine.intake import UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.selection import POLICIES, select
+from broker_coordinator.engine.verdicts import REPLAY_ROUNDS, Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import limits
 from broker_coordinator.settings.round_settings import RoundSettings
@@ -146,6 +147,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.objective = Objective()
         self.rejections: Counter[str] = Counter()
         self.accepted: dict[tuple[str, int, int], str] = {}
+        self.verdicts = Verdicts()  # the same verdict receipts as the coordinator's (engine/verdicts.py)
         self.closed_at: dict[int, float] = {}
         self.last_metrics: dict[str, dict[str, Any]] = {}
         self.online: dict[str, dict[str, Any]] = {}
@@ -359,7 +361,9 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.closed_at[rnd.number] = time.time()
         # the replay guard needs only recent rounds, as the coordinator's (older answers are late anyway)
         self.accepted = {k: v for k, v in self.accepted.items() if k[1] > rnd.number - REPLAY_ROUNDS}
+        self.verdicts.forget(rnd.number - REPLAY_ROUNDS + 1)
         partial = self.partial(rnd)
+        self._flushed(rnd)  # `partial` flushed any held (cold-start) updates: their final receipts
         payload = encode_partial(partial, self.site_key)
         assert self.session is not None
         ok = self.session.publish_until(site_topic(self.fed, self.site, "partial"), payload, time.time() + 30)

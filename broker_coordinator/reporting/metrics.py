@@ -30,6 +30,10 @@ class Metrics:
                            ["metric", "where"], registry=r)
         self.loss = Gauge("edgefl_test_loss", "Global model loss on the held-out set", registry=r)
         self.round = Gauge("edgefl_round", "Last finished round", registry=r)
+        self.left_out = Gauge("edgefl_round_left_out_fraction", "Fraction of the last round's accepted updates "
+                              "that the fold left out (direction gate, or the attempt was abandoned)", registry=r)
+        self.privacy_epsilon = Gauge("edgefl_privacy_epsilon", "Epsilon spent so far at the configured delta "
+                                     "([privacy] mode = central; user-level, over the applied versions)", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
         self.tracking_failures = Counter("edgefl_tracking_failures", "Writes to a run tracker (TensorBoard, "
                                          "MLflow) that failed; the rounds go on", ["sink"], registry=r)

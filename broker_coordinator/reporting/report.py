@@ -74,6 +74,11 @@ def metric_figure(rounds: list[dict[str, Any]], title: str):  # noqa: ANN201 (a 
         points = [(r["round"], scale * scores(r)[index]) for r in rounds if not math.isnan(scores(r)[index])]
         if points:
             ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+    spent = [(r["round"], r["privacy"]["epsilon"]) for r in rounds if (r.get("privacy") or {}).get("epsilon")]
+    if spent:  # [privacy]: the epsilon spent at delta, on its own axis
+        eps_ax = ax.twinx()
+        eps_ax.plot(*zip(*spent), color="tab:red", linestyle="--", label="epsilon spent")
+        eps_ax.set_ylabel(f"epsilon spent (delta {rounds[-1]['privacy'].get('delta', 0):g})", color="tab:red")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no tick at 2.5
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy (%)" if metric == "accuracy" else metric)
@@ -101,5 +106,7 @@ def format_round(record: dict[str, Any], rounds: int) -> str:
         if not math.isnan(federated):
             measured += f" (devices {format_score(metric, federated)})"
         measured += f"  loss {record['loss']:.4f}"
+    if (record.get("privacy") or {}).get("epsilon") is not None:
+        extra += f"  epsilon {record['privacy']['epsilon']:.3f}"
     return (f"round {record['round']:>{width}}/{rounds}  participants {record['participants']:>3}/{record['selected']:<3} "
             f"{measured}  up {record['bytes_up'] / 1e6:7.2f} MB  {record['seconds']:6.1f} s{extra}")

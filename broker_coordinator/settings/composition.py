@@ -39,6 +39,21 @@ def _async_refusal(s: RoundSettings) -> str:
     return algorithms.get(s.algorithm).server(s.task_hparams(1)).asynchronous_refusal()
 
 
+def _private(s: RoundSettings) -> bool:
+    return s.privacy.on
+
+
+def _reads_devices(s: RoundSettings) -> str:
+    """What an algorithm's server rule takes from the devices besides the clipped delta ("" = nothing)."""
+    from edgefl_protocol.algorithms.base import ServerRule
+    rule = algorithms.get(s.algorithm).server(s.task_hparams(1))
+    if rule.extra_specs({"w": (1,)}):
+        return "extra tensors averaged without clipping or noise"
+    if type(rule).observe is not ServerRule.observe:
+        return "the devices' reported metrics (into its state and the next tasks)"
+    return ""
+
+
 RULES: tuple[Rule, ...] = (
     Rule('topology sites + aggregator gated_mean | trimmed_mean | median', "mathematical",
          "a site sends up sums, and these folds need every delta of the round in one place (a coordinate-"
@@ -57,6 +72,37 @@ RULES: tuple[Rule, ...] = (
          'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
          'dual = 0 and global_perturbation = 0)',
          lambda s: f'algorithm = "{s.algorithm}": {_async_refusal(s)}'),
+    Rule('privacy central + aggregator gated_mean | trimmed_mean | median', "mathematical",
+         "each device's verdict depends on the other devices' updates of the same round, so one device "
+         "can move the aggregate by more than the clip C and the noise no longer covers it",
+         lambda s, t: _private(s) and s.aggregator not in STREAMING,
+         'aggregator = "mean" (with privacy on, mean and centered_clip are both replaced by the private '
+         "clipped mean, whose sensitivity is C)"),
+    Rule('privacy central + weighting reported', "mathematical",
+         "a device's own sample count would scale its contribution beyond C",
+         lambda s, t: _private(s) and s.weighting == "reported",
+         'weighting = "uniform" (with privacy on, capped is replaced by uniform too: the fold weighs every '
+         "clipped update 1 over a fixed denominator)"),
+    Rule('privacy central + normalize_steps', "mathematical",
+         "FedNova rescales the mean by the devices' reported local steps, a data-dependent factor beyond C",
+         lambda s, t: _private(s) and s.normalize_steps, "normalize_steps = false"),
+    Rule('privacy central + selection stability', "mathematical",
+         "the cohort would depend on the devices' reported metrics; the accountant assumes uniform sampling",
+         lambda s, t: _private(s) and s.selection != "random", 'selection = "random"'),
+    Rule('privacy central + an algorithm whose server rule reads the devices', "mathematical",
+         "its server state or tasks take what devices report beyond the clipped delta, which no noise covers",
+         lambda s, t: _private(s) and bool(_reads_devices(s)),
+         'algorithm = "fedavg", "fedprox" or "fedsam"',
+         lambda s: f'algorithm = "{s.algorithm}" uses {_reads_devices(s)}'),
+    Rule('privacy central + mode buffered', "not built",
+         "who lands in a buffer depends on arrival times, not on a sampling the accountant can model (no "
+         "amplification by sampling), and a fast device can land twice in one buffer (sensitivity 2C); the "
+         "honest account, every version a full Gaussian release to every device, needs noise that stops "
+         "learning",
+         lambda s, t: _private(s) and s.mode == "buffered", 'mode = "sync"'),
+    Rule('privacy central + topology sites', "not built",
+         "the site aggregators would forward clipped sums and the centre add the noise; not built",
+         lambda s, t: _private(s) and t == "sites", "remove the [sites.*] sections, or [privacy] mode = \"off\""),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

@@ -42,6 +42,9 @@
     aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median
     serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)
 
+    [privacy]                            # user-level differential privacy (settings/privacy_settings.py)
+    mode = "off"                         # off | central
+
     [storage]
     state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
     keep_checkpoints = 10                # the last N rounds' models, for `broker-coordinator rollback`
@@ -75,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_coordinator.settings import composition
+from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.site_settings import SiteSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
 from edgefl_protocol import topics
@@ -197,7 +201,7 @@ class CoordinatorConfig:
         return Path(self.storage.state_dir) / REGISTRY_FILE
 
 
-SECTIONS = ("federation", "broker", "rounds", "storage", "enrollment", "metrics", "sites", "tracking")
+SECTIONS = ("federation", "broker", "rounds", "privacy", "storage", "enrollment", "metrics", "sites", "tracking")
 
 
 def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
@@ -225,7 +229,11 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
             resolve(federation.model)
         except ModelError as exc:
             raise ConfigError(f"{path} [federation] model: {exc}") from None
-        rounds = section(RoundSettings, "rounds")
+        # [privacy] (user-level DP, settings/privacy_settings.py) goes in with [rounds], so that the
+        # refusals of what it rules out come with the [rounds] keys they name
+        privacy = section(PrivacySettings, "privacy")
+        rounds = build_section(RoundSettings, {**raw.get("rounds", {}), "privacy": privacy}, f"{path} [rounds]",
+                               f"{ENV_PREFIX}_rounds")
         try:
             rounds.evaluation(bool(federation.test_data))
         except ValueError as exc:

@@ -18,8 +18,10 @@ from broker_coordinator.settings.choices import (
     STALENESS_WEIGHTS,
     WEIGHTINGS,
 )
+from broker_coordinator.settings.privacy_settings import PrivacySettings
 from edgefl_protocol import algorithms, codec, delta_downlink, downlink
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.settings import build_section
 from edgefl_protocol.task_limits import check_training
 
 
@@ -76,8 +78,13 @@ class RoundSettings:
     beta1: float = 0.9  # adam, yogi, adagrad: the first moment's decay
     beta2: float = 0.99  # adam, yogi: the second moment's decay
     tau: float = 1e-3  # adam, yogi, adagrad: the adaptivity (added to sqrt(v))
+    # the [privacy] section (its own, not a [rounds] key; settings/privacy_settings.py)
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
 
     def validate(self) -> None:
+        if isinstance(self.privacy, dict):
+            self.privacy = build_section(PrivacySettings, self.privacy, "[privacy]")
+        self.privacy.validate()
         algorithm = algorithms.get(self.algorithm)
         unknown = sorted(set(self.hparams) - set(algorithm.defaults))
         if unknown:
@@ -183,6 +190,10 @@ class RoundRecord:
     kind: str = "train"  # "train", or "evaluate" for an evaluation-only round
     bytes_down: int = 0  # model bytes the participants report receiving since their last update
     global_score: float | None = None  # downlink = "delta": `score` of the server rule's G (`score` is B's)
+    left_out: float = 0.0  # fraction of the accepted updates the fold left out (an abandoned attempt: all)
+    # [privacy] mode = "central": {"epsilon" spent at "delta" after this round, "noise_multiplier", "clip",
+    # "noise_std" of the mean, "unclipped_fraction" (noisy), ...} (engine/private_rounds.py); {} when off
+    privacy: dict[str, Any] = field(default_factory=dict)
 
 
 def check_buffered(settings: RoundSettings) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.engine.buffered import coordinator_class
 from broker_coordinator.engine.coordinator import RoundSettings, record_dict
+from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.engine.tree import TreeCoordinator
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.reporting.report import (
@@ -284,7 +285,11 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
                 churn.start()
             started = time.time()  # wall-clock from the first task: accuracy against time (bench/buffered.py)
             for round_no in range(1, spec.rounds + 1):
-                record = record_dict(coordinator.run_round(round_no))
+                try:
+                    record = record_dict(coordinator.run_round(round_no))
+                except BudgetSpent as exc:  # [privacy] target_epsilon: the round is not opened
+                    echo(f"stopped: {exc}")
+                    break
                 record["elapsed"] = round(time.time() - started, 3)
                 offline = churn.offline() if churn else set()
                 for device, values in record["devices"].items() if classes else ():

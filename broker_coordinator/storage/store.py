@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS rounds (
 CREATE INDEX IF NOT EXISTS rounds_round ON rounds (round, attempt);
 CREATE TABLE IF NOT EXISTS device_rounds (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, device TEXT NOT NULL,
-    accepted INTEGER NOT NULL, reason TEXT, metrics TEXT, at REAL NOT NULL);
+    accepted INTEGER NOT NULL, reason TEXT, metrics TEXT, at REAL NOT NULL, verdict TEXT, verdict_detail TEXT);
 CREATE INDEX IF NOT EXISTS device_rounds_device ON device_rounds (device, round);
 CREATE TABLE IF NOT EXISTS attempts (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, started_at REAL NOT NULL);
@@ -50,8 +50,19 @@ CHECKPOINT = "checkpoint.msgpack"
 HISTORY_DIR = "checkpoints"
 ROUND_COLUMNS = ("round", "attempt", "closed", "selected", "participants", "accuracy", "loss", "bytes_up",
                  "seconds", "rejected", "base_sha256", "model_sha256", "finished_at", "reason",
-                 "metric", "score", "federated")
-ADDED_COLUMNS = {"metric": "TEXT", "score": "REAL", "federated": "TEXT"}  # since the task's metric is named
+                 "metric", "score", "federated", "clipped", "left_out")
+# since the task's metric is named; since the fold's verdicts are recorded (clipped: {how: n}, left_out: fraction)
+ADDED_COLUMNS = {"metric": "TEXT", "score": "REAL", "federated": "TEXT", "clipped": "TEXT", "left_out": "REAL"}
+# device_rounds: the fold's verdict on an accepted update (folded | clipped | left_out | pending) and its detail
+DEVICE_COLUMNS = ("round", "attempt", "device", "accepted", "reason", "metrics", "at", "verdict", "verdict_detail")
+ADDED_DEVICE_COLUMNS = {"verdict": "TEXT", "verdict_detail": "TEXT"}
+
+
+# `devices()`: accepted answers per device, by the fold's verdict; "unjudged": evaluation reports, and
+# updates recorded before verdicts were (or still pending)
+VERDICT_COUNTS = {"folded": "d.verdict = 'folded'", "clipped": "d.verdict = 'clipped'",
+                  "left_out": "d.verdict = 'left_out'",
+                  "unjudged": "(d.verdict IS NULL OR d.verdict NOT IN ('folded', 'clipped', 'left_out'))"}
 
 
 class StoreError(Exception):
@@ -107,10 +118,11 @@ class Store:
 
     def _add_columns(self) -> None:
         """Databases from before a column existed get it (NULL in their old rows)."""
-        columns = {r[1] for r in self.db.execute("PRAGMA table_info(rounds)")}
-        for name, kind in ADDED_COLUMNS.items():
-            if name not in columns:
-                self.db.execute(f"ALTER TABLE rounds ADD COLUMN {name} {kind}")
+        for table, added in (("rounds", ADDED_COLUMNS), ("device_rounds", ADDED_DEVICE_COLUMNS)):
+            columns = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in added.items():
+                if name not in columns:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     # checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
@@ -157,6 +169,8 @@ class Store:
         target = _read_checkpoint(path)
         current = self.recover_checkpoint()
         newest = max([target.version] + ([current.version] if current else []))
+        if current is not None and "privacy" in current.trust:  # a rollback never refunds epsilon
+            target.trust["privacy"] = current.trust["privacy"]
         target.version = newest + 1
         atomic_write(self.dir / CHECKPOINT, _pack_checkpoint(target))
         with self.db:
@@ -183,7 +197,8 @@ class Store:
         """Write the round's row together with the device rows buffered since the last round."""
         with self.db:
             self.db.execute("BEGIN")
-            self.db.executemany("INSERT INTO device_rounds VALUES (?,?,?,?,?,?,?)", self._device_rows)
+            self.db.executemany(f"INSERT INTO device_rounds ({', '.join(DEVICE_COLUMNS)}) VALUES "
+                                f"({', '.join('?' * len(DEVICE_COLUMNS))})", self._device_rows)
             self._write_presence()
             self._insert_round(r)
         self._device_rows = []
@@ -194,12 +209,25 @@ class Store:
             (r["round"], r["attempt"], r["closed"], r["selected"], r["participants"], r["accuracy"], r["loss"],
              r["bytes_up"], r["seconds"], json.dumps(r["rejected"]), r.get("base_sha256"), r.get("model_sha256"),
              time.time(), r.get("reason", ""), r.get("metric"), r.get("score"),
-             json.dumps(r["federated"]) if r.get("federated") else None))
+             json.dumps(r["federated"]) if r.get("federated") else None,
+             json.dumps(r["clipped"]) if r.get("clipped") else None, r.get("left_out")))
 
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
-                            metrics: dict[str, Any] | None) -> None:
+                            metrics: dict[str, Any] | None, verdict: str | None = None,
+                            verdict_detail: str | None = None) -> None:
         self._device_rows.append((round_no, attempt, device, int(accepted), reason,
-                                  json.dumps(metrics) if metrics is not None else None, time.time()))
+                                  json.dumps(metrics) if metrics is not None else None, time.time(),
+                                  verdict or None, verdict_detail or None))
+
+    def settle_verdict(self, round_no: int, attempt: int, device: str, verdict: str, detail: str) -> None:
+        """The final verdict on an accepted update recorded as pending (or, for an abandoned attempt,
+        as folded): in the buffered row, or in the row already written."""
+        for i, row in enumerate(self._device_rows):
+            if row[:3] == (round_no, attempt, device) and row[3]:
+                self._device_rows[i] = (*row[:7], verdict, detail or None)
+                return
+        self.db.execute("UPDATE device_rounds SET verdict = ?, verdict_detail = ? WHERE round = ? AND attempt = ? "
+                        "AND device = ? AND accepted = 1", (verdict, detail or None, round_no, attempt, device))
 
     def record_presence(self, device: str, online: bool, profile: dict[str, Any]) -> None:
         """Buffered (the latest status per device); written by `flush_presence`, which the
@@ -235,8 +263,10 @@ class Store:
         self.flush_presence()
         cursor = self.db.execute(
             "SELECT p.device, p.online, p.last_seen, p.profile, "
-            "(SELECT COUNT(*) FROM device_rounds d WHERE d.device = p.device AND d.accepted = 1) AS rounds "
-            "FROM presence p ORDER BY p.device")
+            "(SELECT COUNT(*) FROM device_rounds d WHERE d.device = p.device AND d.accepted = 1) AS rounds, "
+            + ", ".join(f"(SELECT COUNT(*) FROM device_rounds d WHERE d.device = p.device AND d.accepted = 1 "
+                        f"AND {where}) AS {name}" for name, where in VERDICT_COUNTS.items())
+            + " FROM presence p ORDER BY p.device")
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row)) for row in cursor.fetchall()]
 

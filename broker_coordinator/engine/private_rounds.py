@@ -1,0 +1,125 @@
+"""`[privacy] mode = "central"` in the round loop: who is sampled, the private fold of each round,
+the budget stop, and the spent epsilon that every record, the checkpoint, `status` and Prometheus
+show (docs/PRIVACY.md). The coordinator holds one `PrivateRounds` and calls it at four places:
+choosing the cohort, opening the round (`fold`; `check_budget` first), applying the version
+(`applied`) and writing the checkpoint (`state`).
+
+Choices the accounting rests on:
+- the cohort is drawn with the operating system's CSPRNG (`secrets.SystemRandom`), never the
+  coordinator's seeded `random.Random`, whose seed is in its config;
+- poisson: each eligible device joins with probability q = m / N; a device that is offline has
+  probability 0, which only helps it; the fold still divides by m;
+- fixed: exactly m of the n eligible devices, accounted with that round's n (fewer devices online
+  spend more epsilon, and the ledger says so);
+- only applied versions spend budget: an abandoned attempt releases nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from broker_coordinator.aggregation.accountant import Accountant, Ledger, Sampling
+from broker_coordinator.aggregation.privacy import AdaptiveClip, PrivateRound, count_stddev, update_noise
+from broker_coordinator.engine.rounds import RoundFailed
+from broker_coordinator.settings.privacy_settings import PrivacySettings
+
+log = logging.getLogger("broker_coordinator")
+
+
+class BudgetSpent(RoundFailed):
+    """The next version would spend more than target_epsilon: no round is opened."""
+
+
+class PrivateRounds:
+    def __init__(self, settings: PrivacySettings, population: int, clients_per_round: int) -> None:
+        if population < 1:
+            raise ValueError("[privacy] needs the number of devices a cohort is drawn from: set [privacy] "
+                             "population = N (no enrolled devices are known yet)")
+        settings.check_population(population)
+        self.settings, self.population = settings, population
+        self.cohort_size = min(clients_per_round or population, population)  # m, the fold's denominator
+        self.accountant = Accountant(settings.accountant)
+        self.ledger = Ledger(self.accountant, settings.delta)
+        planned = Sampling(settings.sampling, population, self.cohort_size)
+        self.z = settings.noise_multiplier or self.accountant.noise_for(
+            planned, settings.planned_rounds, settings.target_epsilon, settings.delta)
+        self.count_stddev = count_stddev(self.z, self.cohort_size, settings.clip_count_stddev) \
+            if settings.adaptive else 0.0
+        self.z_delta = update_noise(self.z, self.count_stddev)
+        if self.z_delta == float("inf"):
+            raise ValueError(f"clip_count_stddev = {self.count_stddev:g} is too small for z = {self.z:.3g}: "
+                             f"the clip count alone would spend the budget; set it above {self.z / 2:.3g} or 0")
+        self.clip = AdaptiveClip(settings.clip_initial if settings.adaptive else float(settings.clip),
+                                 settings.target_quantile, settings.clip_learning_rate, settings.adaptive)
+        self.sampling = planned  # this round's (fixed: n is counted when the cohort is drawn)
+        self.random = secrets.SystemRandom()
+        self.last: dict[str, float] = {}  # the last applied version's releases (noise std, clip, b~)
+        self.stopped = ""
+        self.ledger.epsilon((self.sampling, self.z))  # the accountant's curve, computed before any round opens
+        log.info("privacy: %s sampling of %d of %d devices, z = %.4g (update noise %.4g), delta %g, %s clip, "
+                 "%s accountant%s", settings.sampling, self.cohort_size, population, self.z, self.z_delta,
+                 settings.delta, "adaptive" if settings.adaptive else f"fixed {settings.clip:g}",
+                 settings.accountant, f", budget epsilon {settings.target_epsilon:g}"
+                 if settings.target_epsilon else "")
+
+    # the round loop's four calls -------------------------------------------------------
+    def cohort(self, eligible: Sequence[str]) -> set[str]:
+        eligible = sorted(eligible)
+        if self.settings.sampling == "fixed":
+            self.sampling = Sampling("fixed", max(len(eligible), 1), min(self.cohort_size, max(len(eligible), 1)))
+            return set(self.random.sample(eligible, min(self.cohort_size, len(eligible))))
+        q = self.cohort_size / self.population
+        return {d for d in eligible if self.random.random() < q}
+
+    def check_budget(self, round_no: int) -> None:
+        target = self.settings.target_epsilon
+        if not target:
+            return
+        after = self.ledger.epsilon((self.sampling, self.z))
+        if after > target:
+            self.stopped = (f"privacy budget spent: round {round_no} would bring epsilon from "
+                            f"{self.spent:.3f} to {after:.3f} at delta {self.settings.delta:g}, above "
+                            f"target_epsilon {target:g}; no further round is opened")
+            log.error("%s", self.stopped)
+            raise BudgetSpent(self.stopped)
+
+    def fold(self, specs: dict[str, tuple[int, ...]]) -> PrivateRound:
+        return PrivateRound(specs, self.clip.clip, self.z_delta, self.cohort_size,
+                            self.count_stddev if self.settings.adaptive else None)
+
+    def applied(self, fold: PrivateRound) -> None:
+        """After the noisy mean was taken: spend the version's budget and move the clip."""
+        self.ledger.record(self.sampling, self.z)
+        self.last = dict(fold.released)
+        if "unclipped_fraction" in fold.released:
+            self.clip.update(fold.released["unclipped_fraction"])
+
+    # what people see ---------------------------------------------------------------
+    @property
+    def spent(self) -> float:
+        return self.ledger.epsilon()
+
+    def summary(self) -> dict[str, Any]:
+        """The record's `privacy`: spent epsilon at delta and this version's releases."""
+        out = {"epsilon": round(self.spent, 6), "delta": self.settings.delta, "noise_multiplier": self.z,
+               "update_noise_multiplier": self.z_delta, "sampling": self.settings.sampling,
+               "cohort": self.cohort_size, "population": self.population, "versions": self.ledger.applied,
+               "accountant": self.settings.accountant, "next_clip": self.clip.clip, **self.last}
+        if self.settings.target_epsilon:
+            out["target_epsilon"] = self.settings.target_epsilon
+        if self.stopped:
+            out["stopped"] = self.stopped
+        return out
+
+    def state(self) -> dict[str, Any]:
+        target = self.settings.target_epsilon
+        return {**self.ledger.state(), **self.clip.state(), "epsilon": self.spent, "target_epsilon": target,
+                # what the next version would bring it to: `status` says whether a round can still open
+                "next_epsilon": self.ledger.epsilon((self.sampling, self.z)) if target else None}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.ledger.load_state(state)
+        self.clip.load_state(state)

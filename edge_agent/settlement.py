@@ -1,0 +1,197 @@
+"""What a device commits after sending an update: only what the coordinator folded, as it folded it.
+
+The coordinator's receipt carries the fold's verdict (`edgefl_protocol.messages.Receipt`), and the
+device settles its two pieces of state the server mirrors, the algorithm's state (FedDyn's and
+DynSAM's dual h_k, via `ClientRule.committed`) and the codec's error-feedback residual:
+
+    folded        commit the delta as the server decoded it; residual: what top-k did not send
+    clipped (s)   commit s x the decoded delta (s: the scale the receipt reports; for centered
+                  clipping the projection of what was folded on what was sent, the best the
+                  device can do without the centre); residual: what top-k did not send. The
+                  clipped-away part is not owed: resending it would undo the bound.
+    left_out      the dual stays as it was; residual: what top-k did not send. What was sent
+                  was judged and refused: it is neither committed nor resent (owing it would
+                  send the refused delta again, and grow the residual round after round).
+    rejected      the coordinator never folded it: the dual stays, and the whole delta is owed
+                  (folded into the residual, `owed`) and named in the next update's `owed`
+                  metric, so the coordinator can tell if it had folded it after all. A
+                  rejection of a *resend* counts only when the coordinator vouches for it
+                  (`not_folded`: it still remembers the round); otherwise it is unknown.
+    unknown       no receipt, or the verdict is pending: the safe side. The dual stays (nothing
+                  is committed that the device cannot show was folded) and the residual is what
+                  top-k did not send (nothing sent is ever sent twice). The signed payload is
+                  kept; before the next training task the agent resends it, and the coordinator
+                  answers an identical resend with its verdict (within its replay window), so
+                  the device settles then. If no verdict comes within `SETTLE_WAIT`, or the new
+                  task is `SETTLE_ROUNDS` rounds later, it gives up on the safe side: the
+                  update may be lost, never counted twice. The payload lives in memory only: a
+                  restarted agent has given up.
+
+Exactly one of the two counts: the update once folded, or its delta owed in the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from edgefl_protocol import codec, messages
+from edgefl_protocol.algorithms.base import EXTRA_PREFIX
+
+from .model_fetch import MAX_MODEL_VALUES
+
+log = logging.getLogger("edge_agent")
+SETTLE_WAIT = 30.0  # seconds the agent waits for a verdict on an unsettled update before its next task
+SETTLE_ROUNDS = 5  # an unsettled update older than this many rounds is given up (the coordinator's window is 10)
+MAX_CLAIMS = 8  # earlier updates the residual is said to carry (the `owed` metric)
+
+
+def owed(delta: dict, residual: dict | None) -> dict:
+    """Error feedback after an update the coordinator never folded: the old residual plus the whole
+    delta (model tensors only; `extra.*` state is resent afresh next round)."""
+    residual = residual or {}
+    return {name: value + residual[name] if name in residual and residual[name].shape == value.shape else value
+            for name, value in delta.items() if not name.startswith(EXTRA_PREFIX)}
+
+
+@dataclass
+class Sent:
+    """One update as it went out, with what the device needs to settle it."""
+
+    task: messages.Task
+    payload: bytes
+    algorithm: str
+    rule: Any  # the algorithm's client rule, as training left it
+    before: dict  # the algorithm's state before the round
+    delta: dict[str, np.ndarray]  # the local float32 delta
+    encoded: codec.Encoded
+    old_residual: dict | None
+    down: dict[str, int]  # downlink bytes the update reported
+    claims: list[str] = field(default_factory=list)  # the owed updates its residual carried
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.task.round, self.task.attempt
+
+    def decoded(self) -> dict[str, np.ndarray]:
+        """The delta as the server decodes it."""
+        if codec.parse(self.encoded.codec).lossless:
+            return self.delta
+        return codec.decode(self.encoded.codec, self.encoded.specs, self.encoded.body, None, MAX_MODEL_VALUES)
+
+
+def verdict_of(receipt: messages.Receipt | None, resend: bool = False) -> tuple[str, float, str]:
+    """(folded | clipped | left_out | rejected | unknown, scale, detail) of a receipt."""
+    if receipt is None:
+        return "unknown", 0.0, "no receipt"
+    if receipt.accepted:
+        kind = receipt.verdict or "folded"  # a coordinator from before verdicts: folded as sent
+        if kind not in ("folded", "clipped", "left_out"):
+            return "unknown", 0.0, receipt.detail or kind
+        return kind, receipt.scale if kind == "clipped" else (0.0 if kind == "left_out" else 1.0), receipt.detail
+    if resend and receipt.verdict != "not_folded":
+        return "unknown", 0.0, f"{receipt.reason}: {receipt.detail} (the coordinator no longer knows the round)"
+    return "rejected", 0.0, f"{receipt.reason}: {receipt.detail}"
+
+
+def describe(receipt: messages.Receipt) -> str:
+    """The verdict, for the agent's log line: e.g. ": clipped (norm 2.1 -> 1.5; effective scale 0.71)";
+    "" for a receipt without one (an evaluation report, a coordinator from before verdicts)."""
+    if not receipt.verdict:
+        return ""
+    names = {"left_out": "left out", "pending": "verdict pending"}
+    return ": " + names.get(receipt.verdict, receipt.verdict) + (f" ({receipt.detail})" if receipt.detail else "")
+
+
+def apply_verdict(data: dict[str, Any], sent: Sent, kind: str, scale: float = 1.0) -> None:
+    """Settle `sent` in the device state `data` by the verdict `kind` (see the module's docstring):
+    the algorithm's section and the codec's (`residual`, `owed`)."""
+    ef = data.setdefault("codec", {})
+    claims = [c for c in ef.get("owed", []) if c not in sent.claims]
+    data[sent.algorithm] = sent.before
+    ef["residual"] = sent.encoded.residual
+    if kind in ("folded", "clipped"):
+        decoded = sent.decoded()
+        sent.rule.committed(decoded if scale == 1.0 else {n: a * np.float32(scale) for n, a in decoded.items()})
+        data[sent.algorithm] = sent.rule.state
+    elif kind == "rejected" and sent.encoded.residual is not None:
+        ef["residual"] = owed(sent.delta, sent.old_residual)
+        claims = (ef.get("owed", []) + [f"{sent.task.round}.{sent.task.attempt}"])[-MAX_CLAIMS:]
+    elif kind == "unknown":
+        claims = ef.get("owed", [])  # kept until the update is settled
+    ef["owed"] = claims
+    for name in ("residual", "owed"):
+        if not ef.get(name):
+            ef.pop(name, None)
+
+
+class Settlement:
+    """A mixin of `Agent`: it uses the agent's state, receipts, `_deliver` and `_give_back_down_counts`."""
+
+    unsettled: Sent | None = None
+
+    def _settle(self, sent: Sent, receipt: messages.Receipt | None, resend: bool = False) -> str:
+        """Commit what the verdict says was folded (see the module's docstring); returns the verdict."""
+        kind, scale, detail = verdict_of(receipt, resend)
+        apply_verdict(self.state.data, sent, kind, scale)
+        if kind == "rejected":
+            self._give_back_down_counts(sent.down)
+        self.unsettled = sent if kind == "unknown" else None
+        if kind == "unknown":
+            log.info("round %d: the %supdate's verdict is not known yet (%s); nothing committed, nothing owed, "
+                     "it is asked for again before the next task", sent.task.round, "resent " if resend else "",
+                     detail)
+        return kind
+
+    def _settle_unsettled(self, task: messages.Task) -> None:
+        """Before training for `task`: resend the update still without a verdict (bounded wait), and
+        settle it by the answer; give up on the safe side if none comes."""
+        sent, self.unsettled = self.unsettled, None
+        if sent is None:
+            return
+        receipt = self.receipts.pop(sent.key, None)  # a final verdict may have come meanwhile
+        if receipt is not None and not (receipt.accepted and receipt.verdict == "pending"):
+            kind = self._settle(sent, receipt)
+        elif task.round - sent.task.round >= SETTLE_ROUNDS:
+            kind = "unknown"
+        else:
+            ask = replace(sent.task, deadline=min(time.time() + SETTLE_WAIT, task.deadline))
+            self._deliver(ask, sent.payload, "update (resent for its verdict)")
+            kind = self._settle(sent, self.last_receipt, resend=True)
+        if kind == "unknown":
+            self.unsettled = None
+            ef = self.state.section("codec")
+            ef["owed"] = [c for c in ef.get("owed", []) if c not in sent.claims]
+            if not ef["owed"]:
+                ef.pop("owed")
+            log.warning("round %d: gave up on the verdict for the round %d update: it may be lost, never "
+                        "counted twice (its delta is not owed, nothing was committed)", task.round, sent.task.round)
+        else:
+            log.info("round %d: the round %d update settled: %s", task.round, sent.task.round, kind)
+        self.state.save()
+
+    def _await_final(self, key: tuple[int, int], until: float) -> messages.Receipt | None:
+        """After a `pending` receipt: the second receipt, with the fold's final verdict, until `until`
+        (or shutdown, or a newer task: then the update is settled before that task's training)."""
+        with self.receipt_arrived:
+            while time.time() < until and not self.stopping.is_set() and self.tasks.empty():
+                receipt = self.receipts.get(key)
+                if receipt is not None and receipt.verdict != "pending":
+                    return self.receipts.pop(key)
+                self.receipt_arrived.wait(min(0.5, max(0.0, until - time.time())))
+        return None
+
+    def _claims(self) -> dict[str, str]:
+        """The `owed` metric: the earlier updates the residual still carries, e.g. {"owed": "12.1 13.1"}."""
+        claims = self.state.section("codec").get("owed", [])
+        return {"owed": " ".join(claims)} if claims else {}
+
+    def _sent(self, task: messages.Task, payload: bytes, algorithm: str, rule: Any, before: dict, delta: dict,
+              encoded: codec.Encoded, old_residual: dict | None, down: dict) -> Sent:
+        return Sent(task, payload, algorithm, rule, before, delta, encoded, old_residual, down,
+                    list(self.state.section("codec").get("owed", [])))
+

@@ -1,0 +1,124 @@
+"""One fold under every schedule and topology: the same updates folded flat, in sites and buffered
+(a buffer of K = the cohort, every update trained on the current version) give the same model to
+float tolerance, for every algorithm each schedule serves and for the default fold with a centre
+and a radius that clips some of them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from broker_coordinator.aggregation.partials import SiteTask, encode_center, encode_partial
+from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.rounds import RoundState
+from broker_coordinator.engine.site_aggregator import SiteWorker
+from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
+from broker_coordinator.settings import composition
+from broker_coordinator.simulation.in_memory import fold_partials, fold_round
+from edgefl_protocol import codec, messages, signing
+from models import datasets
+
+FED = "test"
+ARCH = "digits_mlp"
+SITES = {"north": 3, "south": 3}
+# a radius history (1.5 x the median 2.4) that the spread of the updates below exceeds for some
+RADIUS_HISTORY = {"by_device": {f"old-{i}": 2.0 + 0.1 * i for i in range(9)}}
+# (algorithm, hparams): the dual algorithms are refused in buffered mode (settings.composition)
+ALGORITHMS = [("fedavg", {}), ("fedsam", {}), ("feddyn", {}), ("fedsmoo", {}), ("dynsam", {}),
+              ("dynsam", {"dual": 0, "global_perturbation": 0})]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load("digits")
+
+
+def _tensors(specs: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    scale = rng.uniform(0.1, 2.0)
+    return {n: (scale * rng.standard_normal(s)).astype(np.float32) for n, s in specs.items()}
+
+
+def _signed(device: str, key: bytes, tensors: dict, attempt: int, metrics: dict) -> bytes:
+    encoded = codec.encode(tensors, "float32")
+    update = messages.Update(device, 1, 0, 50, metrics, encoded.body, encoded.codec, encoded.specs, FED, attempt)
+    return messages.encode_update(update, key)
+
+
+def _with_centre(coordinator: Coordinator, center: dict) -> Coordinator:
+    coordinator.center = {n: a.copy() for n, a in center.items()}
+    coordinator.radius.load_state(RADIUS_HISTORY)
+    return coordinator
+
+
+@pytest.mark.parametrize("algorithm,hparams", ALGORITHMS, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()) or "defaults")
+def test_the_same_updates_give_the_same_model_flat_in_sites_and_buffered(digits, algorithm, hparams):
+    settings = RoundSettings(algorithm=algorithm, hparams=hparams, codec="float32", weighting="uniform",
+                             norm_bound=0, round_timeout=60)
+    assert settings.aggregator == "centered_clip"  # the default fold
+    devices = [f"{site}-{i}" for site, n in SITES.items() for i in range(n)]
+    keys = {d: signing.new_key() for d in devices}
+    site_keys = {s: signing.new_key() for s in SITES}
+    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+    rng = np.random.default_rng(5)
+    center = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in flat.specs.items()}
+    _with_centre(flat, center)
+    specs = {**flat.specs, **flat.extra_specs}
+    tensors = {d: _tensors(specs, rng) for d in devices}
+    metrics = {d: {"steps": int(rng.integers(1, 9)), "sigma": float(rng.uniform()), "gamma": 0.5} for d in devices}
+
+    flat_record = fold_round(flat, {d: _signed(d, keys[d], tensors[d], 1, metrics[d]) for d in devices})
+    assert flat_record.clipped.get("center", 0) >= 2, "no update was far enough to be clipped"
+    assert any(not np.allclose(flat.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
+               for n in flat.weights), "the round changed nothing: the comparison would be empty"
+    models = {"sites": _in_sites(digits, settings, keys, site_keys, center, tensors, metrics)}
+    if not composition.refusals(RoundSettings(**{**settings.__dict__, "mode": "buffered"})):
+        models["buffered"] = _buffered(digits, settings, keys, center, tensors, metrics)
+    assert "buffered" in models or algorithm in ("feddyn", "fedsmoo", "dynsam")
+    for where, coordinator in models.items():
+        for name in flat.weights:
+            np.testing.assert_allclose(coordinator.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{where} differs from flat in {name}")
+        assert coordinator.server_rule.broadcast() == pytest.approx(flat.server_rule.broadcast()), where
+
+
+def _in_sites(digits, settings, keys, site_keys, center, tensors, metrics) -> TreeCoordinator:
+    tree = _with_centre(TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+                                        sites={site: SiteSpec(1, site_keys[site]) for site in SITES}), center)
+    task = messages.Task(1, 0, time.time() + 60, settings.algorithm, settings.task_hparams(1), {}, "float32", 1)
+    site_task = SiteTask(1, 1, 0, messages.encode("task", task),
+                         {"weighting": "uniform", "norm_bound": 0.0, "aggregator": settings.aggregator},
+                         *encode_center(center))
+    partials = []
+    for site in SITES:
+        mine = [d for d in tensors if d.startswith(site)]
+        worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
+        worker._open(site_task, task, set())  # learns the rules; then the same radius history as the centre
+        worker.radius.load_state(RADIUS_HISTORY)
+        rnd = worker._open(site_task, task, set(mine))
+        for device in mine:
+            worker._on_update(rnd, device, _signed(device, keys[device], tensors[device], 1, metrics[device]),
+                              time.time())
+        partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
+    fold_partials(tree, SITES, partials)
+    return tree
+
+
+def _buffered(digits, settings, keys, center, tensors, metrics) -> BufferedCoordinator:
+    buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(tensors),
+                                "max_staleness": 2})
+    c = _with_centre(BufferedCoordinator(FED, ARCH, digits.test, buffered, device_keys=keys), center)
+    buffer = c._open_buffer(1)
+    for attempt, device in enumerate(tensors, start=1):  # each device its own task, all from version 0
+        c.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
+        c.working[device] = (1, attempt)
+        buffer.cohort.add(device)
+        c._on_update(buffer, device, _signed(device, keys[device], tensors[device], attempt, metrics[device]),
+                     time.time())
+    assert buffer.aggregate.count == len(tensors) and not c.rejections
+    c._set_state(buffer, RoundState.CLOSED)
+    c._conclude(buffer, "")
+    return c

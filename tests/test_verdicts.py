@@ -1,0 +1,230 @@
+"""The fold's verdict is what everyone sees (issue 20): a device learns whether its update was folded,
+clipped (to what, with the scale) or left out (why), commits state only for what was folded, as it was
+folded; an update whose receipt was lost counts exactly once; device_rounds, the round record, `status`
+and Prometheus carry the same verdicts."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from bench.inmemory import InMemoryFederation
+from broker_coordinator.access.broker import COORDINATOR_USER
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.simulation.in_memory import fold_round
+from broker_coordinator.simulation.private_broker import PrivateBroker
+from broker_coordinator.simulation.simulate import SimulationSpec, spawn_agent, stop_processes, write_agent_config
+from broker_coordinator.storage.store import Store
+from edgefl_protocol import messages, signing
+from models import datasets
+
+FED = "vd"
+KEY = signing.new_key()
+DEVICES = ("d1", "d2", "d3", "d4")
+
+
+class Receipts:
+    """A session that keeps the receipts the coordinator publishes: device -> [Receipt, ...]."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, list[messages.Receipt]] = {}
+
+    def publish(self, topic, payload, qos=1, retain=False):  # noqa: ANN001
+        if topic.endswith("/receipt"):
+            self.got.setdefault(topic.split("/")[3], []).append(messages.decode_receipt(payload))
+
+
+def _coordinator(tmp_path, **settings) -> Coordinator:
+    s = RoundSettings(**{"algorithm": "fedavg", "codec": "float32", **settings})
+    c = Coordinator(FED, "digits_mlp", datasets.load("digits").test, s, store=Store(tmp_path / "state"),
+                    device_keys={d: KEY for d in DEVICES})
+    c.session = Receipts()
+    return c
+
+
+def _update(c, device, tensors, round_no=1, attempt=1, metrics=None) -> bytes:
+    specs = [[k, list(v.shape)] for k, v in tensors.items()]
+    body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
+    return messages.encode_update(messages.Update(device, round_no, c.version, 10, metrics or {"steps": 1}, body,
+                                                  "float32", specs, FED, attempt), KEY)
+
+
+def _direction(c, seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(0, 0.01, v.shape).astype(np.float32) for k, v in c.weights.items()}
+
+
+def test_a_clipped_update_is_told_its_scale_in_the_one_receipt(tmp_path):
+    c = _coordinator(tmp_path, aggregator="mean", norm_bound=1.5)
+    for _ in range(5):
+        c.norm_bound.record(1.0)  # a warm history: the bound is 1.5
+    d = _direction(c)
+    norm = float(np.sqrt(sum(np.sum(a.astype(np.float64) ** 2) for a in d.values())))
+    delta = {k: a * (3.0 / norm) for k, a in d.items()}  # norm 3: twice the bound
+    rnd = c._open_round(1, 1, {"d1"}, time.time() + 60, 1)
+    c._on_update(rnd, "d1", _update(c, "d1", delta), time.time())
+    (receipt,) = c.session.got["d1"]  # streaming: decided at intake, one message
+    assert receipt.accepted and receipt.verdict == "clipped" and receipt.scale == pytest.approx(0.5, rel=1e-3)
+    assert "norm 3 -> 1.5" in receipt.detail
+
+
+def test_a_reversed_update_is_left_out_by_gated_mean_and_told_so_after_the_close(tmp_path):
+    c = _coordinator(tmp_path, aggregator="gated_mean", norm_bound=0)
+    d = _direction(c)
+    rng = np.random.default_rng(1)
+    answers = {dev: _update(c, dev, {k: a + rng.normal(0, 0.001, a.shape).astype(np.float32) for k, a in d.items()})
+               for dev in DEVICES[:3]}
+    answers["d4"] = _update(c, "d4", {k: -a for k, a in d.items()})  # reversed
+    for dev in DEVICES:
+        c.store.record_presence(dev, True, {})
+    record = fold_round(c, answers, 1)
+    first, final = c.session.got["d4"]
+    assert first.accepted and first.verdict == "pending"  # gated_mean decides at the close
+    assert final.accepted and final.verdict == "left_out" and final.scale == 0 and "direction" in final.detail
+    assert [r.verdict for r in c.session.got["d1"]] == ["pending", "folded"]
+    # the round record, device_rounds, status and Prometheus say the same
+    assert record.left_out == pytest.approx(0.25) and record.clipped == {"direction": 1}
+    assert record.devices["d4"]["verdict"] == "left_out"
+    assert c.metrics.registry.get_sample_value("edgefl_round_left_out_fraction") == pytest.approx(0.25)
+    rows = dict(c.store.db.execute("SELECT device, verdict FROM device_rounds").fetchall())
+    assert rows == {"d1": "folded", "d2": "folded", "d3": "folded", "d4": "left_out"}
+    assert c.store.rounds()[-1]["left_out"] == pytest.approx(0.25)
+    counts = {d["device"]: (d["folded"], d["clipped"], d["left_out"]) for d in c.store.devices()}
+    assert counts["d4"] == (0, 0, 1) and counts["d1"] == (1, 0, 0)
+
+
+def test_status_shows_rounds_folded_clipped_and_left_out(tmp_path):
+    from broker_coordinator.cli.service import status
+    from broker_coordinator.settings.config import load_config
+    from edgefl_protocol.settings import to_toml
+    test_a_reversed_update_is_left_out_by_gated_mean_and_told_so_after_the_close(tmp_path)
+    config = tmp_path / "c.toml"
+    config.write_text(to_toml({"federation": {"name": FED, "model": "digits_mlp", "test_data": "unused.npz"},
+                               "broker": {"password": "x"}, "storage": {"state_dir": str(tmp_path / "state")}}))
+    lines: list[str] = []
+    status(load_config(config, with_rounds=False), lines.append)
+    d4 = next(line for line in lines if "d4" in line)
+    assert "rounds folded 0, clipped 0, left out 1" in d4
+
+
+def test_an_identical_resend_after_the_close_gets_its_verdict_and_an_unknown_one_its_rejection(tmp_path):
+    c = _coordinator(tmp_path, aggregator="mean", norm_bound=0)
+    payload = _update(c, "d1", _direction(c))
+    fold_round(c, {"d1": payload}, 1)
+    rnd = c._open_round(2, 1, {"d1"}, time.time() + 60, 1)
+    c._on_update(rnd, "d1", payload, time.time())  # its receipt was lost: the same bytes, after the close
+    assert c.session.got["d1"][-1].accepted and c.session.got["d1"][-1].verdict == "folded"
+    assert not c.rejections and rnd.aggregate.count == 0
+    c._on_update(rnd, "d2", _update(c, "d2", _direction(c)), time.time())  # never accepted for round 1
+    late = c.session.got["d2"][-1]
+    assert not late.accepted and late.reason == "late" and late.verdict == "not_folded"
+
+
+def test_an_update_that_owes_a_folded_one_is_logged_as_a_double_count(tmp_path, caplog):
+    c = _coordinator(tmp_path, aggregator="mean", norm_bound=0)
+    fold_round(c, {"d1": _update(c, "d1", _direction(c))}, 1)
+    twice = _update(c, "d1", _direction(c, 2), round_no=2, metrics={"steps": 1, "owed": "1.1"})
+    record = fold_round(c, {"d1": twice}, 2)
+    assert "counts twice" in caplog.text and record.devices["d1"]["double_count"] == "1.1"
+
+
+def test_an_old_device_rounds_table_gets_the_verdict_columns(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    db = sqlite3.connect(tmp_path / "coordinator.db")
+    db.execute("CREATE TABLE device_rounds (round INTEGER NOT NULL, attempt INTEGER NOT NULL, device TEXT NOT NULL, "
+               "accepted INTEGER NOT NULL, reason TEXT, metrics TEXT, at REAL NOT NULL)")
+    db.execute("INSERT INTO device_rounds VALUES (1, 1, 'd1', 1, NULL, NULL, 0)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path)
+    store.record_presence("d1", True, {})
+    (row,) = store.devices()
+    assert (row["folded"], row["left_out"], row["unjudged"]) == (0, 0, 1)  # recorded before verdicts
+
+
+def _federation(tamper, algorithm="feddyn"):
+    data = datasets.load("digits")
+    shards = [data.train.subset(np.arange(i * 150, (i + 1) * 150)) for i in range(6)]
+    settings = RoundSettings(algorithm=algorithm, codec="float32", aggregator="gated_mean", norm_bound=1.5,
+                             local_epochs=1, batch_size=32)
+    return InMemoryFederation("digits_mlp", shards, data.test, settings, clients_per_round=6, tamper=tamper)
+
+
+def test_a_device_commits_the_clipped_delta_and_a_left_out_one_commits_nothing():
+    sent: dict[str, dict] = {}
+
+    def tamper(device, delta, num_samples, round_no):
+        factor = {"dev-004": 5.0, "dev-005": -1.0}.get(device, 1.0)  # inflated; reversed
+        sent[device] = {k: (v * factor).astype(np.float32) for k, v in delta.items()}
+        return sent[device], num_samples
+
+    fed = _federation(tamper)
+    fed.round(1)
+    verdicts = {d: fed.coordinator.verdicts.of((d, 1, 1)) for d in fed.devices}
+    assert verdicts["dev-005"].kind == "left_out"
+    assert "h" not in fed.states["dev-005"].get("feddyn", {})  # the dual stays as it was (none yet)
+    clipped = verdicts["dev-004"]
+    assert clipped.kind == "clipped" and 0 < clipped.scale < 0.5
+    names = [k for k in sent["dev-004"] if not k.startswith("extra.")]
+    for h, name in zip(fed.states["dev-004"]["feddyn"]["h"], names):  # h = 0 + s x what the server decoded
+        np.testing.assert_allclose(h, clipped.scale * sent["dev-004"][name], rtol=1e-4, atol=1e-7)
+
+
+def test_a_lost_receipt_and_the_next_round_count_the_update_exactly_once(tmp_path):
+    """dev-a is a real agent process; the coordinator folds its round 1 update but publishes no receipt
+    for it in round 1. In round 2 the agent resends that payload before training, is told "folded",
+    commits it, and does not owe it again: its round 2 update (trained at a learning rate 10^4 times
+    smaller) carries nothing of round 1's delta. Today's agent owed the whole delta and sent it again."""
+    data = datasets.load("digits")
+    shard = tmp_path / "dev-a" / "data.npz"
+    datasets.save_npz(shard, data.train.subset(np.arange(300)))
+    keys = {"dev-a": signing.new_key()}
+    settings = RoundSettings(algorithm="fedavg", round_timeout=120, local_epochs=1, codec="topk1+float32",
+                             lr_decay=1e-4, weight_decay=0.0, model_chunk_bytes=1 << 20)
+
+    class LosingCoordinator(Coordinator):
+        dropping = True
+        norms: dict[int, float] = {}
+
+        def _receipt(self, device, answer, rejected, verdict=None):  # noqa: ANN001
+            if not (self.dropping and answer == (1, 1)):
+                super()._receipt(device, answer, rejected, verdict)
+
+        def _fold(self, current, device, answer, judged, size, digest):  # noqa: ANN001
+            if isinstance(answer, messages.Update):
+                self.norms[answer.round] = float(np.sqrt(sum(np.sum(judged[0][n].astype(np.float64) ** 2)
+                                                             for n in self.specs)))
+            super()._fold(current, device, answer, judged, size, digest)
+
+    broker = PrivateBroker(tmp_path / "broker", FED)
+    broker.add_user(COORDINATOR_USER)
+    broker.add_user("dev-a")
+    with broker:
+        coordinator = LosingCoordinator(FED, "digits_mlp", data.test, settings, device_keys=keys)
+        coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        config = tmp_path / "dev-a" / "agent.toml"
+        write_agent_config(config, "dev-a", broker.users["dev-a"], broker.port,
+                           SimulationSpec(federation=FED, agent_threads=1), shard, keys["dev-a"])
+        agent = spawn_agent(config, tmp_path / "dev-a" / "agent.log")
+        try:
+            coordinator.wait_for_devices(1, 60)
+            first = coordinator.run_round(1)
+            coordinator.dropping = False
+            second = coordinator.run_round(2)
+            give_up = time.monotonic() + 60  # the last receipt: the agent logs its verdict
+            while "round 2: update accepted" not in (tmp_path / "dev-a" / "agent.log").read_text():
+                assert time.monotonic() < give_up
+                coordinator._drain(0.2)
+        finally:
+            stop_processes([agent])
+            coordinator.close()
+    log = (tmp_path / "dev-a" / "agent.log").read_text()
+    assert (first.participants, second.participants) == (1, 1), log
+    assert "the round 1 update settled: folded" in log, log
+    assert coordinator.verdicts.of(("dev-a", 1, 1)).kind == "folded"
+    assert "owed" not in second.devices["dev-a"] and "double_count" not in second.devices["dev-a"]
+    assert coordinator.norms[2] < 0.05 * coordinator.norms[1], coordinator.norms  # round 1's delta is not in it
