@@ -12,6 +12,7 @@ frozen for random periods from the seed).
     python -m bench.field --quick              # a smoke version, under 5 minutes
     python -m bench.field                      # the matrix, in priority order (CPU-hours on 2 cores)
     python -m bench.field --only dynsam+sgd,fedavg+sgd --seeds 1,2
+    python -m bench.field --only dynsam+sgd+momentum,fedavg+sgd+adam@0.03   # rows with a server optimizer
     python -m bench.field --codec-cost         # the default candidate with float32 updates too
     python -m bench.field --report             # rebuild field.json/md/png from cached runs
 
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 from . import provenance
+from .field_report import client_optimizer, markdown, mean, plot
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "field_runs"
@@ -59,13 +61,32 @@ PRIORITY = ["fedavg+sgd", "dynsam+sgd", "dynsam+momentum", "fedavg+momentum", "f
 QUICK_ROWS = ["fedavg+sgd", "dynsam+sgd"]
 
 
-def row_parts(row: str) -> tuple[str, dict, float]:
-    name, _, optimizer = row.partition("+")
-    if name not in ALGORITHMS or optimizer not in ("sgd", "momentum"):
-        raise SystemExit(f"unknown row {row!r}: write ALGORITHM+sgd or ALGORITHM+momentum, "
-                         f"ALGORITHM one of {', '.join(ALGORITHMS)}")
+def row_parts(row: str) -> tuple[str, dict, float, str, float | None]:
+    """ALGORITHM+CLIENT[+SERVER[@LR]] -> (algorithm, hparams, client momentum, server optimizer, server_lr).
+    CLIENT is sgd or momentum (local SGD, or momentum 0.9); SERVER one of [rounds] server_optimizer's
+    values, with its server_lr after "@" (default: the optimizer's own); no SERVER: sgd at rate 1."""
+    from broker_coordinator.settings.choices import SERVER_OPTIMIZERS
+    name, optimizer, server, *rest = row.split("+") + ["", ""]
+    server, _, rate = server.partition("@")
+    try:
+        lr = float(rate) if rate else None
+    except ValueError:
+        lr = -1.0
+    if (name not in ALGORITHMS or optimizer not in ("sgd", "momentum") or any(rest)
+            or (server and server not in SERVER_OPTIMIZERS) or (lr is not None and not 0 < lr <= 10)):
+        raise SystemExit(f"unknown row {row!r}: write ALGORITHM+CLIENT or ALGORITHM+CLIENT+SERVER[@LR], ALGORITHM "
+                         f"one of {', '.join(ALGORITHMS)}, CLIENT sgd or momentum, SERVER one of "
+                         f"{', '.join(SERVER_OPTIMIZERS)}, LR in (0, 10], e.g. dynsam+sgd+adam@0.01")
     algorithm, hparams = ALGORITHMS[name]
-    return algorithm, hparams, MOMENTUM if optimizer == "momentum" else 0.0
+    return algorithm, hparams, MOMENTUM if optimizer == "momentum" else 0.0, server or "sgd", lr
+
+
+def server_of(row: str) -> dict:
+    """The row's server optimizer and the rate it ran at (the default rate when the row names none)."""
+    from broker_coordinator.settings.round_settings import RoundSettings
+    _, _, _, server, lr = row_parts(row)
+    return {"server_optimizer": server,
+            "server_lr": RoundSettings(server_optimizer=server, server_lr=lr).server_step_size()}
 
 
 def cache_path(row: str, seed: int, rounds: int, codec: str | None, runs: Path) -> Path:
@@ -99,7 +120,7 @@ def run_one(row: str, seed: int, rounds: int, codec: str | None, runs: Path, log
     path = cache_path(row, seed, rounds, codec, runs)
     if path.exists():
         return json.loads(path.read_text())
-    algorithm, hparams, momentum = row_parts(row)
+    algorithm, hparams, momentum, server, server_lr = row_parts(row)
     with tempfile.TemporaryDirectory(prefix="edgefl-field-") as tmp:
         out = Path(tmp) / "out"
         args = [sys.executable, "-m", "broker_coordinator", "simulate", "--agents", str(AGENTS),
@@ -111,6 +132,8 @@ def run_one(row: str, seed: int, rounds: int, codec: str | None, runs: Path, log
             args += ["--hparam", f"{key}={value}"]
         if codec:
             args += ["--codec", codec]
+        if row.count("+") > 1:  # a row naming its server optimizer (plain rows run, and cache, as before)
+            args += ["--server-optimizer", server] + (["--server-lr", str(server_lr)] if server_lr else [])
         log_path = log_dir / f"{path.parent.name}_seed{seed}_r{rounds}.log"
         label = f"{row} seed {seed}{' ' + codec if codec else ''}: {' '.join(args[1:])}"
         record = run_simulate(args, out, path, log_path, label, timeout=rounds * 120 + 900)
@@ -179,10 +202,6 @@ def load_runs(runs: Path, rounds: int) -> dict[str, dict[int, dict]]:
     return out
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
 def report(runs: Path, rounds: int, stem: str) -> dict:
     from edgefl_protocol import algorithms, codec
     from broker_coordinator.engine.coordinator import RoundSettings
@@ -192,8 +211,7 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
     out_runs, details = {}, {}
     for row, seeds in sorted(rows.items()):
         ordered = [seeds[k] for k in sorted(seeds)]
-        optimizer = row.partition("+")[2]
-        ref = passes_ref.get(optimizer, float("nan"))
+        ref = passes_ref.get(client_optimizer(row), float("nan"))
         out_runs[row] = {
             "final_accuracy": [round(s["final"], 2) for s in ordered],
             "best_accuracy": [round(s["best"], 2) for s in ordered],
@@ -205,6 +223,7 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
             "late_fraction": round(mean([s["late_fraction"] for s in ordered]), 3),
             "round_seconds": round(mean([s["round_seconds"] for s in ordered]), 2),
             "epochs": round(mean([s["epochs"] for s in ordered]), 2),
+            **server_of(row),
         }
         details[row] = {str(k): {key: v for key, v in seeds[k].items()} for k in sorted(seeds)}
     codec_cost = {}
@@ -219,6 +238,7 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
                     "bytes_up_per_update_lossless": round(mean([seeds[k]["bytes_up_per_update"] for k in paired]))}
     settings = RoundSettings()
     default = {"algorithm": settings.algorithm, "optimizer": "momentum" if settings.momentum else "sgd",
+               "server_optimizer": settings.server_optimizer,
                "codec": settings.codec, "local_epochs": settings.local_epochs}
     result = {"default": default, "runs": out_runs,
               "codec_cost": {row: v["points"] for row, v in codec_cost.items()},
@@ -230,8 +250,11 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
                                       for n, (a, h) in ALGORITHMS.items()}}}
     result["measured_with"] = provenance.measured_with(
         provenance.invoked(), {k: v for k, v in provenance.deciding(settings).items()
-                               if k not in ("algorithm", "momentum")},
-        local_epochs=0, varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM]}, data="mnist5k",
+                               if k not in ("algorithm", "momentum", "server_optimizer", "server_lr")},
+        local_epochs=0, varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM],
+                                "server_optimizer": sorted({r["server_optimizer"] for r in out_runs.values()}),
+                                "server_lr": "per row"}, data="mnist5k",
+        server_optimizer_per_row={row: f"{r['server_optimizer']}@{r['server_lr']:g}" for row, r in out_runs.items()},
         partition=f"bench/data/{PARTITION_FILE.name}", seeds_per_row={row: r["seeds"] for row, r in out_runs.items()},
         runs=f"cached in {os.path.relpath(runs, PROJECT_ROOT)}/: a cached run may come from older code than this commit")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -239,176 +262,15 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
     (RESULTS / f"{stem}_details.json").write_text(
         json.dumps({**details, "measured_with": result["measured_with"]}) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(result, details))
-    plot(details, RESULTS / f"{stem}.png", rounds)
+    plot(details, RESULTS / f"{stem}.png", rounds, result["meta"])
     return result
-
-
-def _fmt(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{mean(values):.2f} +- {statistics.stdev(values):.2f}"
-
-
-def winner(result: dict, max_passes: float = 1.3) -> tuple[str | None, str]:
-    """The row with the best mean final accuracy within max_passes x FedAvg's passes."""
-    runs = result["runs"]
-    eligible = {r: v for r, v in runs.items() if v["passes_ratio"] is not None and v["passes_ratio"] <= max_passes}
-    if not eligible:
-        return None, "no row has a passes ratio yet"
-    best = max(eligible, key=lambda r: mean(eligible[r]["final_accuracy"]))
-    return best, f"{best}: {mean(eligible[best]['final_accuracy']):.2f} over {len(eligible[best]['seeds'])} seed(s)"
-
-
-def targets(result: dict) -> list[str]:
-    """The issue's targets for the runtime default, from the rows measured so far (seeds paired where
-    a comparison is between rows)."""
-    runs, d = result["runs"], result["default"]
-    row = f"{d['algorithm']}+{d['optimizer']}"
-    if row not in runs:
-        return ["", f"Targets: the default row {row} has no runs yet."]
-    v = runs[row]
-    mine = dict(zip(v["seeds"], v["final_accuracy"]))
-
-    def paired(other: str) -> tuple[float, list[int]]:
-        theirs = dict(zip(runs[other]["seeds"], runs[other]["final_accuracy"]))
-        common = sorted(set(mine) & set(theirs))
-        return (mean([mine[k] - theirs[k] for k in common]), common) if common else (float("nan"), [])
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "**missed**"
-
-    lines = ["", f"Targets for the default `{row}` (paired by seed; n = seeds compared):", ""]
-    ref = f"fedavg+{d['optimizer']}"
-    if ref in runs:
-        gap, common = paired(ref)
-        lines.append(f"- vs {ref}: {gap:+.2f} points (n = {len(common)}; target >= +2.0): {verdict(gap >= 2.0)}")
-    others = [r for r in runs if r != row]
-    if others:
-        gaps = {r: paired(r) for r in others if paired(r)[1]}
-        worst = min(gaps, key=lambda r: gaps[r][0]) if gaps else None
-        if worst:
-            gap, common = gaps[worst]
-            lines.append(f"- vs the best other row on the same seeds, {worst}: {gap:+.2f} points (n = {len(common)}; "
-                         f"target >= -0.2, moonshot >= +0.5): {verdict(gap >= -0.2)}")
-    cost = result["codec_cost"].get(row)
-    if cost is not None:
-        lines.append(f"- codec cost: {cost:+.2f} points lost to the lossy uplink vs float32 (negative: none lost; "
-                     f"target <= 0.3): {verdict(cost <= 0.3)}")
-    else:
-        lines.append("- codec cost: not measured yet for this row")
-    worst_gap = min(f - b for f, b in zip(v["final_accuracy"], v["best_accuracy"]))
-    lines.append(f"- final vs its own best, worst seed: {worst_gap:+.2f} (target >= -0.5 in every seed): "
-                 f"{verdict(worst_gap >= -0.5)}")
-    up = v["bytes_up_per_update"] / 1024
-    lines.append(f"- upload: {up:.1f} KB per update (target <= 16 KB): {verdict(up <= 16)}")
-    return lines
-
-
-def markdown(result: dict, details: dict) -> str:
-    meta = result["meta"]
-    lines = [
-        "# Field benchmark",
-        "",
-        f"`python -m bench.field` (bench/field.py). Real `broker-coordinator simulate` processes: "
-        f"{meta['agents']} agents on the partition `bench/data/{meta['partition']}` (MNIST-5k, Dirichlet 0.1), "
-        f"{meta['clients_per_round']} per round, {meta['rounds']} rounds; fleet `{meta['fleet']}` (each agent "
-        f"under a cgroup CPU quota and memory limit, broker_coordinator/simulation/fleet.py), churn `{meta['churn']}`, "
-        f"deadline {meta['deadline_s']:.0f} s, device-chosen epochs, uplink `{meta['uplink_codec']}`, downlink "
-        f"`{meta['downlink_codec']}`. Accuracy in %, mean +- std over the seeds listed; a single seed is "
-        "shown bare. \"passes\" is forward-backward passes per client-round relative to FedAvg with the same "
-        "optimizer; \"late/offline\" is the share of selected devices whose update did not count (late, "
-        "stopped or frozen). Other engineers' jobs shared the 2 cores: round times include that load "
-        "(load average before/after each run is in field_details.json).",
-        "",
-        "| row | seeds | final accuracy | best accuracy | final - best (worst seed) | rounds to 90% of best "
-        "| up KB / update | down KB / update | passes vs fedavg | epochs / client-round | round s "
-        "| late/offline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    order = sorted(result["runs"], key=lambda r: -mean(result["runs"][r]["final_accuracy"]))
-    for row in order:
-        v = result["runs"][row]
-        gap = min(f - b for f, b in zip(v["final_accuracy"], v["best_accuracy"]))
-        passes = "-" if v["passes_ratio"] is None else f"{v['passes_ratio']:.2f}x"
-        lines.append(
-            f"| {row} | {','.join(map(str, v['seeds']))} | {_fmt(v['final_accuracy'])} | {_fmt(v['best_accuracy'])} "
-            f"| {gap:.2f} | {mean(v['rounds_to_90pct_of_best']):.0f} | {v['bytes_up_per_update'] / 1024:.1f} "
-            f"| {v['bytes_down_per_update'] / 1024:.0f} "
-            f"| {passes} "
-            f"| {v['epochs']:.2f} | {v['round_seconds']:.1f} | {100 * v['late_fraction']:.1f}% |")
-    lines += ["", "Per device class (mean over the row's seeds): share of selected devices whose update did not "
-              "count, and epochs per counted client-round.", "",
-              "| row | " + " | ".join(f"{c} late" for c in ("zero2w", "pi3", "pi4", "pi5")) + " | "
-              + " | ".join(f"{c} epochs" for c in ("zero2w", "pi3", "pi4", "pi5")) + " |",
-              "|---|" + "---|" * 8]
-    for row in order:
-        seeds = details[row].values()
-        late = [mean([s["by_class"].get(c, {}).get("late_fraction", float("nan")) for s in seeds]) for c in
-                ("zero2w", "pi3", "pi4", "pi5")]
-        epochs = [mean([s["by_class"].get(c, {}).get("epochs", float("nan")) for s in seeds]) for c in
-                  ("zero2w", "pi3", "pi4", "pi5")]
-        lines.append(f"| {row} | " + " | ".join(f"{100 * x:.0f}%" for x in late) + " | "
-                     + " | ".join(f"{x:.1f}" for x in epochs) + " |")
-    if result["codec_cost_details"]:
-        lines += ["", "Codec cost: final accuracy with the default lossy uplink minus with lossless updates, "
-                  "paired by seed (negative: the lossy codec loses points).", ""]
-        for row, v in result["codec_cost_details"].items():
-            up = result["runs"][row]["bytes_up_per_update"]
-            lines.append(f"- {row}: {-v['points']:+.2f} points with `{meta['uplink_codec']}` vs `{v['lossless_codec']}` "
-                         f"(seeds {','.join(map(str, v['seeds']))}); upload {up / 1024:.1f} KB vs "
-                         f"{v['bytes_up_per_update_lossless'] / 1024:.1f} KB per update")
-    loads = [x for seeds in details.values() for run in seeds.values() for x in (run.get("load1") or [])]
-    if loads:
-        lines += ["", f"Host load while the runs ran (1-minute load average on 2 cores, at each run's start and "
-                      f"end): median {statistics.median(loads):.1f}, range {min(loads):.1f}-{max(loads):.1f}. "
-                      "The CPU quotas are ceilings: under this load the agents got less than their quota, "
-                      "so the fast classes measured lower speeds and chose fewer epochs than on an idle host."]
-    lines += targets(result)
-    best, why = winner(result)
-    lines += ["", f"Best row within 1.3x FedAvg's passes: {why}.",
-              f"Runtime default (RoundSettings): `{result['default']['algorithm']}`, "
-              f"{result['default']['optimizer']}, `{result['default']['codec']}`, local_epochs "
-              f"{result['default']['local_epochs']}.", ""]
-    return "\n".join(lines)
-
-
-def plot(details: dict, path: Path, rounds: int) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    names = sorted({row.partition("+")[0] for row in details})
-    colors = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
-    for ax, first in zip(axes, (1, max(1, rounds // 2))):
-        for row, seeds in sorted(details.items()):
-            curves = [s["curve"] for s in seeds.values()]
-            n = min(len(c) for c in curves)
-            name, _, optimizer = row.partition("+")
-            xs = list(range(first, n + 1))
-            ax.plot(xs, [statistics.median(c[i - 1] for c in curves) for i in xs], color=colors[name],
-                    linestyle="-" if optimizer == "sgd" else "--",
-                    label=f"{row} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("test accuracy (%), median over seeds")
-    axes[1].set_title(f"rounds {max(1, rounds // 2)}-{rounds}")
-    axes[1].set_ylim(85, 98)
-    axes[0].set_title(f"field: {FLEET}, churn {CHURN}, deadline {DEADLINE:.0f} s")
-    axes[1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fedavg+sgd and dynsam+sgd, 1 seed, 5 rounds")
-    parser.add_argument("--only", default="", help="comma-separated rows, e.g. dynsam+sgd,fedavg+momentum")
+    parser.add_argument("--only", default="", help="comma-separated rows ALGORITHM+CLIENT[+SERVER[@LR]], e.g. "
+                        "dynsam+sgd,fedavg+momentum,dynsam+sgd+adam@0.01")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (default 1,2,3)")
     parser.add_argument("--rounds", type=int, default=0, help=f"rounds per run (default {ROUNDS}; quick 5)")
     parser.add_argument("--codec-cost", default="", metavar="ROWS",

@@ -20,6 +20,8 @@ with what ships today, key by key:
     norm_bound    deltas clipped to this times the median recent norm; 0 = off
     mode          "sync" or "buffered"
     topology      "flat" or "sites"
+    server_optimizer  the server optimizer (sgd | momentum | adam | yogi | adagrad)
+    server_lr     its rate (1.0 with sgd: the server rule's own step)
 
 A setting that a file varies across its rows goes under `extra` as `varies={key: [values]}`
 (and not at the top level); one that cannot be known for an old file is "unknown".
@@ -58,6 +60,8 @@ def deciding(rounds: Any, topology: str = "flat") -> dict[str, Any]:
         "norm_bound": rounds.norm_bound,
         "mode": rounds.mode,
         "topology": topology,
+        "server_optimizer": rounds.server_optimizer,
+        "server_lr": rounds.server_step_size(),
     }
 
 

@@ -171,6 +171,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="buffered: accept updates trained up to S versions ago; older ones are dropped")
     sim.add_argument("--staleness-weight", choices=["inverse_sqrt", "constant"], default=defaults.staleness_weight,
                      help="buffered: an update s versions old counts 1/sqrt(1+s) (inverse_sqrt) or 1")
+    from broker_coordinator.settings.choices import SERVER_OPTIMIZERS
+    sim.add_argument("--server-optimizer", choices=SERVER_OPTIMIZERS, default=defaults.server_optimizer,
+                     help="applied to the server rule's step each round (Reddi et al.; "
+                          "broker_coordinator/aggregation/server_optimizer.py); sgd at --server-lr 1 is the rule alone")
+    sim.add_argument("--server-lr", type=_bounded(float, 1e-9, 10.0), default=None,
+                     help="the server optimizer's rate (default: 1 for sgd, 1 - --server-momentum for momentum, "
+                          "0.01 for adam and yogi, 0.1 for adagrad)")
+    sim.add_argument("--server-momentum", type=_bounded(float, 0.0, 0.999), default=defaults.server_momentum)
+    sim.add_argument("--beta1", type=_bounded(float, 0.0, 0.999), default=defaults.beta1,
+                     help="adam, yogi, adagrad: the first moment's decay")
+    sim.add_argument("--beta2", type=_bounded(float, 0.0, 0.9999), default=defaults.beta2,
+                     help="adam, yogi: the second moment's decay")
+    sim.add_argument("--tau", type=_bounded(float, 1e-12), default=defaults.tau, help="adaptivity of adam, yogi, adagrad")
+    sim.add_argument("--tensorboard", default=None, metavar="DIR",
+                     help="write each round to TensorBoard event files under DIR/RUN (needs pip install edgefl[tracking])")
+    sim.add_argument("--mlflow", default=None, metavar="URI",
+                     help="log the run to MLflow at this tracking URI, e.g. file:./mlruns (needs edgefl[tracking])")
     from broker_coordinator.simulation.fleet import parse_churn, parse_fleet
     sim.add_argument("--fleet", type=_checked_by(parse_fleet), default=None, metavar="CLASS:N,...",
                      help="emulate a mixed fleet, e.g. zero2w:4,pi3:4,pi4:8,pi5:4 (counts add up to --agents): "
@@ -231,7 +248,8 @@ ROUND_FLAGS = {
     "eval_only_every": "eval_only_every", "mode": "mode", "buffer_size": "buffer_size",
     "max_staleness": "max_staleness", "staleness_weight": "staleness_weight", "downlink": "downlink",
     "downlink_codec": "downlink_codec", "downlink_chain": "downlink_chain", "codec": "codec",
-    "aggregator": "aggregator",
+    "aggregator": "aggregator", "server_optimizer": "server_optimizer", "server_lr": "server_lr",
+    "server_momentum": "server_momentum", "beta1": "beta1", "beta2": "beta2", "tau": "tau",
 }
 
 
@@ -261,6 +279,15 @@ def round_settings(args: argparse.Namespace, given: set[str]):  # noqa: ANN201 (
     return settings
 
 
+def tracking_settings(args: argparse.Namespace):  # noqa: ANN201 (TrackingSettings)
+    """[tracking] from --config (if any) with --tensorboard / --mlflow over it."""
+    from broker_coordinator.settings.tracking_settings import TrackingSettings
+    from edgefl_protocol.settings import build_section, read_toml
+    table = dict(read_toml(args.config).get("tracking", {})) if args.config else {}
+    table.update({key: getattr(args, key) for key in ("tensorboard", "mlflow") if getattr(args, key)})
+    return build_section(TrackingSettings, table, f"{args.config or 'simulate'} [tracking]")
+
+
 def run_simulate(args: argparse.Namespace, given: set[str] = frozenset()) -> int:
     from broker_coordinator.simulation.simulate import SimulationSpec, simulate
 
@@ -276,6 +303,7 @@ def run_simulate(args: argparse.Namespace, given: set[str] = frozenset()) -> int
                           loss=args.loss or ("cross_entropy" if args.task == "classification" else "mse"),
                           devices_dir=args.devices_dir, test_data=args.test_data, holdout=args.holdout,
                           sites=args.sites, site_workers=args.site_workers)
+    spec.tracking = tracking_settings(args)
     simulate(spec, round_settings(args, given), echo=lambda line: print(line, flush=True))
     return 0
 

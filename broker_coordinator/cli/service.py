@@ -12,6 +12,7 @@ from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, reco
 from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.reporting.report import describe_scores, format_round
+from broker_coordinator.reporting.tracking import RunTracker
 from broker_coordinator.settings.config import CoordinatorConfig
 from broker_coordinator.storage.statelock import StateLock
 from broker_coordinator.storage.store import Store
@@ -42,6 +43,8 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     coordinator = kind(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                        store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
                        metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, **extra)
+    tracker = RunTracker.start(config.tracking, fed.name, {name: getattr(config, name) for name in (
+        "federation", "broker", "rounds", "storage", "enrollment", "metrics", "sites")}, metrics)  # no secrets: flatten
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -49,6 +52,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     desk = attach_enrollment(config, coordinator)
     echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
          f"starting at round {coordinator.next_round}")
+    failed = True  # until the loop ends by itself or by a signal
     try:
         while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
             try:
@@ -62,11 +66,16 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                 log.error("%s; waiting before the next attempt", exc)
                 coordinator.stopping.wait(config.rounds.round_timeout)
                 continue
+            if tracker:
+                tracker.round(record)
             echo(format_round(record_dict(record), fed.rounds or record.round))
+        failed = False
     finally:
         desk.stop()
         coordinator.close()
         lock.release()
+        if tracker:  # the plot of this process's rounds; a crash marks the run FAILED
+            tracker.finish(title=f"{config.rounds.algorithm} on federation {fed.name}", failed=failed)
     echo("coordinator stopped" if coordinator.stopping.is_set() else f"finished {fed.rounds} rounds")
     return 0
 

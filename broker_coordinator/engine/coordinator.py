@@ -36,6 +36,7 @@ import numpy as np
 from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.aggregation.reference import root_direction
 from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.aggregation.server_optimizer import ServerOptimizer
 from broker_coordinator.aggregation.serving import ServedAverage
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
@@ -95,6 +96,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.next_round = 1
         self.algorithm = algorithms.get(settings.algorithm)
         self.server_rule = self.algorithm.server(settings.task_hparams(1))
+        self.server_optimizer = ServerOptimizer.of(settings)  # applied to the server rule's step (_conclude)
         # tensors an algorithm sends beside the delta (FedSMOO's mu), averaged uniformly per round
         self.extra_specs = self.server_rule.extra_specs(self.specs)
         self.extras: StreamingMean | None = None
@@ -153,6 +155,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self._resumed = True
         set_weights(self.model, self.weights)
         self.server_rule.load_state(ckpt.server_state)
+        self.server_optimizer.load_state(ckpt.server_optimizer, self.specs)
         self.sample_weights.load_state(ckpt.trust.get("weights") or {})
         self.norm_bound.load_state(ckpt.trust.get("norms") or {})
         self.radius.load_state(ckpt.trust.get("radius") or {})
@@ -350,8 +353,9 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             if self.privacy:
                 self.privacy.applied(rnd.aggregate)
             self.center = aggregate
-            self.weights = self.server_rule.new_global(self.weights, aggregate,
-                                                       self.extras.mean() if self.extras is not None else None)
+            proposed = self.server_rule.new_global(self.weights, aggregate,
+                                                   self.extras.mean() if self.extras is not None else None)
+            self.weights = self.server_optimizer.apply(self.weights, proposed)
             self.version += 1
             if self.broadcast is not None:  # B follows G at once, so the checkpoint holds both
                 self.broadcast.advance(self._release_tensors(), self.version)

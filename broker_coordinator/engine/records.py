@@ -36,7 +36,8 @@ class RoundRecords:
                           {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
                            "radius": self.radius.state(), "center": self.center,
                            **({"privacy": self.privacy.state()} if self.privacy else {})},
-                          self.broadcast.state() if self.broadcast else {})
+                          self.broadcast.state() if self.broadcast else {},
+                          server_optimizer=self.server_optimizer.state())
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:

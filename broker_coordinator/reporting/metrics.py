@@ -35,6 +35,8 @@ class Metrics:
         self.privacy_epsilon = Gauge("edgefl_privacy_epsilon", "Epsilon spent so far at the configured delta "
                                      "([privacy] mode = central; user-level, over the applied versions)", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
+        self.tracking_failures = Counter("edgefl_tracking_failures", "Writes to a run tracker (TensorBoard, "
+                                         "MLflow) that failed; the rounds go on", ["sink"], registry=r)
 
     def serve(self, port: int, bind: str = "127.0.0.1") -> None:
         start_http_server(port, addr=bind, registry=self.registry)

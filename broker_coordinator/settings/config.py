@@ -56,6 +56,10 @@
     port = 0                             # Prometheus endpoint, e.g. 9464; 0 (the default) = off
     bind = "127.0.0.1"
 
+    [tracking]                           # optional: each round to TensorBoard and/or MLflow (tracking_settings.py)
+    tensorboard = "/var/lib/edgefl-coordinator/tensorboard"
+    mlflow = "file:/var/lib/edgefl-coordinator/mlruns"
+
     [sites.north]                        # optional: the federation in sites (see broker_coordinator/access/sites.py)
     devices = "north-*"                  # glob patterns over device ids, comma-separated
     workers = 1                          # site aggregator processes sharing the site's updates
@@ -76,6 +80,7 @@ from typing import Any
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.site_settings import SiteSettings
+from broker_coordinator.settings.tracking_settings import TrackingSettings
 from edgefl_protocol import topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
 
@@ -189,13 +194,14 @@ class CoordinatorConfig:
     metrics: MetricsSettings
     path: Path
     sites: dict[str, SiteSettings] = field(default_factory=dict)  # empty: a flat federation
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)  # off unless a key is set
 
     @property
     def registry_path(self) -> Path:
         return Path(self.storage.state_dir) / REGISTRY_FILE
 
 
-SECTIONS = ("federation", "broker", "rounds", "privacy", "storage", "enrollment", "metrics", "sites")
+SECTIONS = ("federation", "broker", "rounds", "privacy", "storage", "enrollment", "metrics", "sites", "tracking")
 
 
 def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
@@ -244,4 +250,5 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
             raise ConfigError(f"{path} [rounds] with [sites.*]: {exc}") from None
     return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
                              section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
-                             section(MetricsSettings, "metrics"), path, sites)
+                             section(MetricsSettings, "metrics"), path, sites,
+                             tracking=section(TrackingSettings, "tracking"))

@@ -13,6 +13,8 @@ from broker_coordinator.settings.choices import (
     EVALUATE_MODES,
     MODES,
     POLICIES,
+    DEFAULT_SERVER_LR,
+    SERVER_OPTIMIZERS,
     STALENESS_WEIGHTS,
     WEIGHTINGS,
 )
@@ -68,6 +70,14 @@ class RoundSettings:
     buffer_size: int = 5  # buffered: accepted updates per applied version (FedBuff's K)
     max_staleness: int = 4  # buffered: accept updates trained up to this many versions ago (S); older are dropped
     staleness_weight: str = "inverse_sqrt"  # buffered: an update s versions old counts 1/sqrt(1+s), or 1 ("constant")
+    # applied to the server rule's step each round / buffered version (broker_coordinator/aggregation/server_optimizer.py;
+    # Reddi et al., ICLR 2021): sgd | momentum | adam | yogi | adagrad; sgd at server_lr 1 is the server rule alone
+    server_optimizer: str = "sgd"
+    server_lr: float | None = None  # None: the optimizer's default (choices.DEFAULT_SERVER_LR)
+    server_momentum: float = 0.9  # momentum: m <- server_momentum * m + step
+    beta1: float = 0.9  # adam, yogi, adagrad: the first moment's decay
+    beta2: float = 0.99  # adam, yogi: the second moment's decay
+    tau: float = 1e-3  # adam, yogi, adagrad: the adaptivity (added to sqrt(v))
     # the [privacy] section (its own, not a [rounds] key; settings/privacy_settings.py)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
 
@@ -112,6 +122,7 @@ class RoundSettings:
                 raise ValueError(message)
         if self.mode == "buffered":
             check_buffered(self)
+        check_server_optimizer(self)
         composition.check(self, "flat")  # the schedule's compositions; config.load adds the topology's
         try:  # the ranges every agent enforces: a task they would all refuse is a config error here
             check_training(self.task_hparams(1))
@@ -120,6 +131,14 @@ class RoundSettings:
         codec.parse(self.codec)
         downlink.check_model_codec(self.model_codec)
         delta_downlink.check_settings(self.downlink, self.downlink_codec, self.downlink_chain, self.model_codec)
+
+    def server_step_size(self) -> float:
+        """The server optimizer's learning rate: server_lr, or the optimizer's default when unset."""
+        if self.server_lr is not None:
+            return self.server_lr
+        if self.server_optimizer == "momentum":
+            return round(1.0 - self.server_momentum, 12)
+        return DEFAULT_SERVER_LR.get(self.server_optimizer, 1.0)
 
     def evaluation(self, has_test_set: bool) -> tuple[bool, bool]:
         """(central, on devices): where each round's model is evaluated. Raises ValueError when the
@@ -186,6 +205,24 @@ def check_buffered(settings: RoundSettings) -> None:
                                       "0 accepts only updates trained on the current version)"),
         (settings.staleness_weight in STALENESS_WEIGHTS,
          f"staleness_weight must be one of {', '.join(STALENESS_WEIGHTS)}, got {settings.staleness_weight!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def check_server_optimizer(settings: RoundSettings) -> None:
+    """The [rounds] keys of the server optimizer; a ValueError names the key at fault."""
+    s = settings
+    checks = [
+        (s.server_optimizer in SERVER_OPTIMIZERS,
+         f"server_optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {s.server_optimizer!r}"),
+        (s.server_lr is None or 0 < s.server_lr <= 10,
+         f"server_lr must be in (0, 10] (1 with sgd is the server rule's own step), got {s.server_lr}"),
+        (0 <= s.server_momentum < 1, f"server_momentum must be in [0, 1), got {s.server_momentum}"),
+        (0 <= s.beta1 < 1, f"beta1 must be in [0, 1), got {s.beta1}"),
+        (0 <= s.beta2 < 1, f"beta2 must be in [0, 1), got {s.beta2}"),
+        (s.tau > 0, f"tau must be > 0 (the adaptivity added to sqrt(v); Reddi et al. use 1e-3), got {s.tau}"),
     ]
     for ok, message in checks:
         if not ok:

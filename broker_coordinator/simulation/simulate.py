@@ -31,7 +31,9 @@ from broker_coordinator.reporting.report import (
     plot_accuracy,
     write_history,
 )
+from broker_coordinator.reporting.tracking import RunTracker
 from broker_coordinator.settings import composition
+from broker_coordinator.settings.tracking_settings import TrackingSettings
 from broker_coordinator.simulation import fleet
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from broker_coordinator.simulation.processes import stop_processes
@@ -74,6 +76,7 @@ class SimulationSpec:
     holdout: float = 0.2  # the shards' held-out fraction when devices evaluate (built-in datasets)
     sites: int = 0  # > 0: the devices in this many bridged sites, each with its aggregator (simulated_sites)
     site_workers: int = 1  # aggregator workers per site
+    tracking: TrackingSettings | None = None  # each round to TensorBoard / MLflow (reporting/tracking.py)
 
 
 def read_partition_file(path: Path, agents: int, train_size: int) -> list:
@@ -223,6 +226,10 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
         if spec.metrics_port:
             metrics.serve(spec.metrics_port)
             echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
+        tracker = RunTracker.start(spec.tracking, spec.federation,
+                                   {"simulation": {**vars(spec), "tracking": None}, "rounds": settings}, metrics)
+        if tracker:  # a run that fails is closed as FAILED; one that finishes, below with its files
+            running.push(lambda kind, exc, tb: tracker.finish(failed=True) if kind else None)
         cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
         common = dict(seed=spec.seed, store=Store(run_dir / "coordinator"), metrics=metrics,
                       on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)), objective=objective)
@@ -289,6 +296,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
                     values["device_class"] = classes.get(device, "")
                 record["cohort"], record["offline"] = sorted(cohort), sorted(offline)
                 history.append(record)
+                if tracker:
+                    tracker.round(record)
                 echo(format_round(record, spec.rounds))
                 dead = [d for d, p in processes.items() if p.poll() is not None and d not in offline]
                 if dead:
@@ -320,4 +329,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
                             f"{spec.agents} agents" + (f", {spec.partition}" if data else ""))
     echo(f"wrote {out / 'history.json'}" + (f" and {plot}" if plotted else
                                               " (no plot: matplotlib is not installed)"))
+    if tracker:
+        tracker.finish([out / "history.json"], f"{settings.algorithm} on {meta['dataset']}")
+        echo(f"tracked in {tracker.describe()}" + (f" ({sum(tracker.failures.values())} failed writes, see the log)"
+                                                    if tracker.failures else ""))
     return history

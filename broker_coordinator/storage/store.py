@@ -85,6 +85,7 @@ class Checkpoint:
     served: dict[str, np.ndarray] | None = None  # the served moving average, when serve_average is on
     trust: dict[str, Any] = field(default_factory=dict)  # SampleWeights and NormBound state (see trust)
     downlink: dict[str, Any] = field(default_factory=dict)  # the broadcast model and its deltas (delta_downlink)
+    server_optimizer: dict[str, Any] = field(default_factory=dict)  # its moments (aggregation/server_optimizer.py)
 
 
 class Store:
@@ -277,14 +278,15 @@ class Store:
 def _pack_checkpoint(ckpt: Checkpoint) -> bytes:
     return pack({"round": ckpt.round, "version": ckpt.version, "arch": ckpt.arch, "weights": ckpt.weights,
                  "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record,
-                 "served": ckpt.served, "trust": ckpt.trust, "downlink": ckpt.downlink})
+                 "served": ckpt.served, "trust": ckpt.trust, "downlink": ckpt.downlink,
+                 "server_optimizer": ckpt.server_optimizer})
 
 
 def _read_checkpoint(path: Path) -> Checkpoint:
     raw = unpack(path.read_bytes())
     ckpt = Checkpoint(raw["round"], raw["version"], raw["arch"], raw["weights"], raw["sha256"],
                       raw.get("server_state") or {}, raw.get("record") or {}, raw.get("served"),
-                      raw.get("trust") or {}, raw.get("downlink") or {})
+                      raw.get("trust") or {}, raw.get("downlink") or {}, raw.get("server_optimizer") or {})
     if model_sha256(ckpt.weights) != ckpt.sha256:
         raise ValueError(f"checkpoint {path} is corrupt: its weights do not match the recorded sha256")
     return ckpt
