@@ -1,7 +1,7 @@
-"""One fold under every schedule and topology: the same updates folded flat, in sites and buffered
-(a buffer of K = the cohort, every update trained on the current version) give the same model to
-float tolerance, for every algorithm each schedule serves and for the default fold with a centre
-and a radius that clips some of them."""
+"""One fold under every schedule and topology: the same updates folded flat, in sites, buffered and
+buffered in sites (a buffer of K = the cohort, every update trained on the current version) give
+the same model to float tolerance, for every algorithm each schedule serves and for the default
+fold with a centre and a radius that clips some of them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from broker_coordinator.aggregation.partials import SiteTask, encode_center, encode_partial
 from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
+from broker_coordinator.engine.buffered_tree import BufferedTreeCoordinator
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
 from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.engine.site_aggregator import SiteWorker
@@ -75,8 +76,11 @@ def test_the_same_updates_give_the_same_model_flat_in_sites_and_buffered(digits,
     assert any(not np.allclose(flat.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
                for n in flat.weights), "the round changed nothing: the comparison would be empty"
     models = {"sites": _in_sites(digits, settings, keys, site_keys, center, tensors, metrics)}
-    if not composition.refusals(RoundSettings(**{**settings.__dict__, "mode": "buffered"})):
-        models["buffered"] = _buffered(digits, settings, keys, center, tensors, metrics)
+    buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(devices),
+                                "max_staleness": 2})
+    if not composition.refusals(buffered):
+        models["buffered"] = _buffered(digits, buffered, keys, center, tensors, metrics)
+        models["buffered sites"] = _in_sites(digits, buffered, keys, site_keys, center, tensors, metrics)
     assert "buffered" in models or algorithm in ("feddyn", "fedsmoo", "dynsam")
     for where, coordinator in models.items():
         for name in flat.weights:
@@ -86,30 +90,42 @@ def test_the_same_updates_give_the_same_model_flat_in_sites_and_buffered(digits,
 
 
 def _in_sites(digits, settings, keys, site_keys, center, tensors, metrics) -> TreeCoordinator:
-    tree = _with_centre(TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
-                                        sites={site: SiteSpec(1, site_keys[site]) for site in SITES}), center)
-    task = messages.Task(1, 0, time.time() + 60, settings.algorithm, settings.task_hparams(1), {}, "float32", 1)
-    site_task = SiteTask(1, 1, 0, messages.encode("task", task),
-                         {"weighting": "uniform", "norm_bound": 0.0, "aggregator": settings.aggregator},
-                         *encode_center(center))
+    """Each site's devices folded by its worker; the partials through the (sync or buffered) centre."""
+    kind = BufferedTreeCoordinator if settings.mode == "buffered" else TreeCoordinator
+    tree = _with_centre(kind(FED, ARCH, digits.test, settings, device_keys={},
+                             sites={site: SiteSpec(1, site_keys[site]) for site in SITES}), center)
     partials = []
-    for site in SITES:
+    for attempt, site in enumerate(SITES, start=1):  # buffered: each site its own task (a sync round: one)
+        attempt = attempt if settings.mode == "buffered" else 1
+        task = messages.Task(1, 0, time.time() + 60, settings.algorithm, settings.task_hparams(1), {}, "float32",
+                             attempt)
+        site_task = SiteTask(1, attempt, 0, messages.encode("task", task),
+                             {"weighting": "uniform", "norm_bound": 0.0, "aggregator": settings.aggregator},
+                             *encode_center(center))
         mine = [d for d in tensors if d.startswith(site)]
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
         worker._open(site_task, task, set())  # learns the rules; then the same radius history as the centre
         worker.radius.load_state(RADIUS_HISTORY)
         rnd = worker._open(site_task, task, set(mine))
         for device in mine:
-            worker._on_update(rnd, device, _signed(device, keys[device], tensors[device], 1, metrics[device]),
-                              time.time())
+            worker._on_update(rnd, device, _signed(device, keys[device], tensors[device], attempt,
+                                                   metrics[device]), time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
-    fold_partials(tree, SITES, partials)
+    if settings.mode != "buffered":
+        fold_partials(tree, SITES, partials)
+        return tree
+    buffer = tree._open_buffer(1)
+    for attempt, (site, payload) in enumerate(partials, start=1):
+        tree.tickets[(1, attempt)] = Ticket(site, 0, time.time() + 60)
+        tree.working[site] = (1, attempt)
+        tree._on_partial(buffer, site, payload)
+    assert buffer.aggregate.count == len(tensors) and not tree.rejections and not tree.working
+    tree._set_state(buffer, RoundState.CLOSED)
+    tree._conclude(buffer, "")
     return tree
 
 
-def _buffered(digits, settings, keys, center, tensors, metrics) -> BufferedCoordinator:
-    buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(tensors),
-                                "max_staleness": 2})
+def _buffered(digits, buffered, keys, center, tensors, metrics) -> BufferedCoordinator:
     c = _with_centre(BufferedCoordinator(FED, ARCH, digits.test, buffered, device_keys=keys), center)
     buffer = c._open_buffer(1)
     for attempt, device in enumerate(tensors, start=1):  # each device its own task, all from version 0

@@ -37,8 +37,9 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     kind, extra = coordinator_class(config.rounds), {}
     if config.sites:  # a federation in sites: the coordinator tasks sites and combines their partials
         from broker_coordinator.access.sites import site_key
-        from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
-        kind, extra = TreeCoordinator, {"sites": {name: SiteSpec(s.workers, site_key(b.password, name))
+        from broker_coordinator.engine.buffered_tree import tree_class
+        from broker_coordinator.engine.tree import SiteSpec
+        kind, extra = tree_class(config.rounds), {"sites": {name: SiteSpec(s.workers, site_key(b.password, name))
                                                   for name, s in config.sites.items()}}
     coordinator = kind(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                        store=Store(config.storage.state_dir, config.storage.keep_checkpoints),

@@ -61,10 +61,6 @@ RULES: tuple[Rule, ...] = (
          lambda s, t: t == "sites" and s.aggregator not in STREAMING,
          f"aggregator = one of {', '.join(STREAMING)} (each judges an update as it arrives, at a site as at "
          "the centre)"),
-    Rule('mode buffered + topology sites', "not built",
-         "site aggregators fold per round; buffered versions through sites were not built",
-         lambda s, t: t == "sites" and s.mode == "buffered",
-         'mode = "sync", or remove the [sites.*] sections'),
     Rule('mode buffered + algorithm feddyn | fedsmoo | dynsam with its duals', "measured",
          "a server dual fed damped, stale buffers drifts from the devices' duals; buffered dynsam with its "
          "dual diverged where fedavg learned (bench/results/buffered_duals.json)",

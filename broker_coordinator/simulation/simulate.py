@@ -22,9 +22,9 @@ from pathlib import Path
 
 from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.engine.buffered import coordinator_class
+from broker_coordinator.engine.buffered_tree import tree_class
 from broker_coordinator.engine.coordinator import RoundSettings, record_dict
 from broker_coordinator.engine.private_rounds import BudgetSpent
-from broker_coordinator.engine.tree import TreeCoordinator
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.reporting.report import (
     format_round,
@@ -240,8 +240,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             sites.start()
             assert sites.rig is not None and sites.rig.central is not None
             passwords, port_of = sites.rig.passwords, sites.device_port
-            coordinator = TreeCoordinator(spec.federation, model, test_set, settings, device_keys={},
-                                          sites=sites.specs(), **common)
+            coordinator = tree_class(settings)(spec.federation, model, test_set, settings, device_keys={},
+                                               sites=sites.specs(), **common)
             running.callback(coordinator.close)
             coordinator.connect("127.0.0.1", sites.rig.central.port, COORDINATOR_USER,
                                 sites.rig.coordinator_password)
