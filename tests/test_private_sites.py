@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("dp_accounting")
 
-from broker_coordinator.aggregation import private_partials, privacy  # noqa: E402
+from broker_coordinator.aggregation import privacy, private_partials  # noqa: E402
 from broker_coordinator.aggregation.partials import (  # noqa: E402
     SiteTask,
     decode_partial,
@@ -154,6 +154,10 @@ def test_the_leader_draws_poisson_with_the_csprng_not_its_seeded_generator(monke
         assert worker.rng.getstate() == seeded, "the seeded generator must not draw a private cohort"
         cohorts.append(set(worker.pending_round))
     assert len(draws) == 400  # one CSPRNG draw per eligible device, the quota (3) ignored
+    broken = encode_site_task(SiteTask(2, 1, 3, messages.encode("task", task), {"privacy": {"clip": -1.0}}))
+    worker.pending_round.clear()
+    worker._on_site_task(broken)  # a private round is drawn and folded privately, or not at all
+    assert worker.pending_round == {}
     assert cohorts[0] != cohorts[1] and all(60 < len(c) < 140 for c in cohorts)
 
 
@@ -225,7 +229,7 @@ def test_simulate_in_sites_reports_epsilon_in_history(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "broker_coordinator", "simulate", "--agents", "4", "--rounds", "2",
                              "--sites", "2", "--dataset", "digits", "--out", str(out), "--config", str(config)],
-                            capture_output=True, text=True, timeout=300)
+                            check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rounds = json.loads((out / "history.json").read_text())["rounds"]
     assert len(rounds) == 2, result.stdout

@@ -24,8 +24,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker_coordinator.aggregation.accountant import Accountant, Ledger, Sampling
+from broker_coordinator.aggregation.privacy import (
+    AdaptiveClip,
+    PrivateRound,
+    count_stddev,
+    update_noise,
+)
 from broker_coordinator.aggregation.private_partials import PrivateTreeSum, SitePrivacy
-from broker_coordinator.aggregation.privacy import AdaptiveClip, PrivateRound, count_stddev, update_noise
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.settings.privacy_settings import PrivacySettings
 

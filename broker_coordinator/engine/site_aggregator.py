@@ -60,8 +60,8 @@ from broker_coordinator.aggregation.partials import (
     site_topic,
     summarize,
 )
-from broker_coordinator.aggregation.private_partials import partial_fields, site_privacy
 from broker_coordinator.aggregation.privacy import PrivateRound
+from broker_coordinator.aggregation.private_partials import partial_fields, site_privacy
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
