@@ -92,6 +92,10 @@ class Partial:
     observed: list = field(default_factory=list)  # [[device, num_samples, {metric: value}], ...]
     selected: int = 0  # devices the site tasked (reported by worker 0 only)
     evaluation: list = field(default_factory=list)  # [sum score*n, sum loss*n, n, devices] of device evaluations
+    # [privacy] (private_partials): the clip C every delta was clipped to (0: not a private fold) and
+    # how many of the `count` deltas were under it, exact (the centre releases it with noise)
+    clip: float = 0.0
+    unclipped: int = 0
 
 
 def encode_site_task(task: SiteTask) -> bytes:
@@ -162,13 +166,18 @@ def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str
         extras_count=_field(obj, "extras_count", int), specs=_field(obj, "specs", list), body=_field(obj, "body", bytes),
         rejected=_counts(obj, "rejected"), refused=_field(obj, "refused", int), clipped=_counts(obj, "clipped"),
         bytes_up=_field(obj, "bytes_up", int), summary=_summary(obj), observed=_observed(obj),
-        selected=_field(obj, "selected", int), evaluation=_evaluation(obj))
+        selected=_field(obj, "selected", int), evaluation=_evaluation(obj),
+        clip=float(_field(obj, "clip", (int, float))) if "clip" in obj else 0.0,
+        unclipped=_field(obj, "unclipped", int) if "unclipped" in obj else 0)
     if p.site != site:
         raise Rejected("sender", f"topic says site {site} but the partial claims {p.site}")
     if min(p.worker, p.count, p.extras_count, p.refused, p.bytes_up, p.selected) < 0 or p.extras_count > p.count:
         raise Rejected("schema", "partial: worker and counts must be >= 0, extras_count <= count")
     if not (math.isfinite(p.total_weight) and math.isfinite(p.weighted_steps)):
         raise Rejected("non_finite", "partial: total weight or weighted steps is not finite")
+    if not (math.isfinite(p.clip) and p.clip >= 0 and 0 <= p.unclipped <= p.count):
+        raise Rejected("schema", f"partial: clip {p.clip} must be finite and >= 0, and its unclipped count "
+                                 f"{p.unclipped} between 0 and its count {p.count}")
     if (p.count == 0) != (p.total_weight == 0) or p.total_weight < 0 or p.weighted_steps < 0:
         raise Rejected("schema", f"partial: {p.count} deltas with total weight {p.total_weight}")
     expected = dict(specs) | (dict(extra_specs) if p.extras_count else {})
@@ -266,6 +275,10 @@ class TreeSum:
             self.extras.merge({n: sums[n] for n in self.extras.sums}, float(partial.extras_count),
                               float(partial.extras_count), partial.extras_count)
         self.bounded.update(partial.clipped)
+        self.note(partial)
+
+    def note(self, partial: Partial) -> None:
+        """The partial's evaluations and device summaries (private_partials keeps these too)."""
         self.reports += int(partial.evaluation[3]) if partial.evaluation else 0
         for key, row in partial.summary.items():
             mine = self.summary.setdefault(key, [0, 0.0, row[2], row[3]])

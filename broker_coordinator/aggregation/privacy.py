@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.aggregation.robust import l2_norm
+from broker_coordinator.aggregation.streaming import StreamingMean
 
 
 def update_noise(z: float, count_stddev: float) -> float:
@@ -110,6 +111,20 @@ class PrivateRound:
         for name, acc in self.sums.items():
             acc += np.asarray(delta[name], dtype=np.float64) * scale
         self.count += 1
+
+    def merge(self, sums: Mapping[str, np.ndarray], count: int, unclipped: int) -> None:
+        """Fold in a site's clipped sum of `count` deltas (`private_partials`): the sum is associative,
+        so the centre holds what it would have summed itself, and `mean` adds the one noise draw."""
+        for name, acc in self.sums.items():
+            acc += np.asarray(sums[name], dtype=np.float64)
+        self.count += count
+        self.unclipped += unclipped
+
+    def streamed(self) -> StreamingMean:
+        """The clipped sum as a site's partial carries it: weight 1 and one step per delta."""
+        stream = StreamingMean(self.specs)
+        stream.merge(self.sums, float(self.count), float(self.count), self.count)
+        return stream
 
     def clipped_sum(self) -> dict[str, np.ndarray]:
         """The pre-noise sum (tests check its sensitivity)."""

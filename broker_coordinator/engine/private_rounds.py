@@ -2,7 +2,9 @@
 the budget stop, and the spent epsilon that every record, the checkpoint, `status` and Prometheus
 show (docs/PRIVACY.md). The coordinator holds one `PrivateRounds` and calls it at four places:
 choosing the cohort, opening the round (`fold`; `check_budget` first), applying the version
-(`applied`) and writing the checkpoint (`state`).
+(`applied`) and writing the checkpoint (`state`). In sites (`tree`) the cohort is drawn at the
+sites, so it gives the site tasks their rules and quotas (`site_privacy`, `site_shares`) and the
+round its aggregate of clipped partials (`tree_fold`); the rest is the same.
 
 Choices the accounting rests on:
 - the cohort is drawn with the operating system's CSPRNG (`secrets.SystemRandom`), never the
@@ -18,11 +20,17 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from broker_coordinator.aggregation.accountant import Accountant, Ledger, Sampling
-from broker_coordinator.aggregation.privacy import AdaptiveClip, PrivateRound, count_stddev, update_noise
+from broker_coordinator.aggregation.privacy import (
+    AdaptiveClip,
+    PrivateRound,
+    count_stddev,
+    update_noise,
+)
+from broker_coordinator.aggregation.private_partials import PrivateTreeSum, SitePrivacy
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.settings.privacy_settings import PrivacySettings
 
@@ -96,6 +104,28 @@ class PrivateRounds:
         self.last = dict(fold.released)
         if "unclipped_fraction" in fold.released:
             self.clip.update(fold.released["unclipped_fraction"])
+
+    # in sites (aggregation/private_partials.py): the sites draw and clip, the centre adds the noise
+    def site_privacy(self) -> SitePrivacy:
+        return SitePrivacy(self.clip.clip, self.settings.sampling, self.cohort_size / self.population)
+
+    def site_shares(self, quotas: Mapping[str, int], eligible: Mapping[str, int]) -> dict[str, int]:
+        """The sites to task and their quotas. poisson: every site with an eligible device (its leader
+        draws each with q; the quota is only the quorum's guess). fixed: the centre's quotas, each
+        site sampling k_s of its n_s without replacement; the cohort is stratified, so the round is
+        accounted at the largest k_s / n_s of the tasked sites (for one device, the sampling of its
+        own site is what matters), on the eligible counts the sites last reported."""
+        if self.settings.sampling == "poisson":
+            return {site: n for site, n in eligible.items() if n > 0}
+        drawn = {site: (min(k or eligible.get(site, 0), eligible.get(site, 0)), eligible.get(site, 0))
+                 for site, k in quotas.items() if eligible.get(site, 0) > 0}
+        if drawn:
+            k, n = max(drawn.values(), key=lambda kn: (kn[0] / kn[1], -kn[1]))
+            self.sampling = Sampling("fixed", n, max(k, 1))
+        return {site: k for site, k in quotas.items() if site in drawn}
+
+    def tree_fold(self, specs: dict[str, tuple[int, ...]]) -> PrivateTreeSum:
+        return PrivateTreeSum(self.fold(specs))
 
     # what people see ---------------------------------------------------------------
     @property

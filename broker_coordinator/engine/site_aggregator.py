@@ -23,6 +23,10 @@ median need is not a sum, so a partial cannot carry it (`composition` refuses th
 The site's trust history lives in the worker's memory: a restarted worker starts cold (equal
 weights and its first round's own median norm, as a fresh coordinator does).
 
+With `[privacy] mode = "central"` the site task's rules carry the round's clip and sampling: the
+leader draws the cohort with the CSPRNG and the workers fold with the private fold without noise,
+forwarding clipped sums; the centre adds the noise (`private_partials`).
+
 Selection at a site is the round's (`selection.select` with the policy the site task's rules
 name, `random` or `stability`), over the site's eligible devices and the last metrics the leader
 folded from them. With several workers the leader knows only the metrics of the updates it folded
@@ -56,6 +60,8 @@ from broker_coordinator.aggregation.partials import (
     site_topic,
     summarize,
 )
+from broker_coordinator.aggregation.privacy import PrivateRound
+from broker_coordinator.aggregation.private_partials import partial_fields, site_privacy
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
@@ -242,6 +248,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         try:
             site_task = decode_site_task(payload, site_task_cap(self.specs))
             task = messages.decode_task(site_task.task)
+            privacy = site_privacy(site_task.rules)
         except Rejected as exc:
             log.error("site task ignored: %s", exc)
             return
@@ -258,7 +265,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             log.error("round %d: the site task names selection %r, not one of %s; selecting at random",
                       site_task.round, policy, ", ".join(POLICIES))
             policy = "random"
-        cohort = sorted(select(policy, eligible, k, self.rng, self.last_metrics))
+        cohort = sorted(privacy.draw(eligible, site_task.clients) if privacy  # the CSPRNG, never self.rng
+                        else select(policy, eligible, k, self.rng, self.last_metrics))
         for device in cohort:
             self.pending_until[device] = task.deadline
             self.pending_round[device] = site_task.round
@@ -279,6 +287,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             obj = msgpack.unpackb(payload, raw=False)
             site_task = decode_site_task(obj["site_task"], site_task_cap(self.specs))
             task = messages.decode_task(site_task.task)
+            site_privacy(site_task.rules)  # a private round is folded privately or not at all
             devices = set(obj["devices"])
         except (Rejected, KeyError, TypeError, ValueError) as exc:
             log.error("site cohort ignored: %s", exc)
@@ -316,7 +325,9 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.max_values = sum(math.prod(s) for s in {**self.specs, **self.extra_specs}.values())
         self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)
         self.sample_weights.start_round()
+        privacy = site_privacy(site_task.rules)  # [privacy]: clipped to the round's C, the centre adds the noise
         rnd = Round(site_task.round, site_task.attempt, cohort, task.deadline, task.model_version,
+                    privacy.fold(self.specs) if privacy else
                     RobustRound(self.specs, self.norm_bound, self.settings.aggregator,
                                 normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius),
                     train=task.train)
@@ -353,7 +364,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                             self.extras, rejected=dict(rnd.rejected), refused=len(rnd.refused), clipped=clipped,
                             bytes_up=rnd.bytes_up, summary=summarize(rnd.device_metrics), observed=observed,
                             selected=len(rnd.cohort) if self.leader else 0,
-                            evaluation=pooled_evaluation(rnd.evaluations))
+                            evaluation=pooled_evaluation(rnd.evaluations),
+                            **(partial_fields(rnd.aggregate) if isinstance(rnd.aggregate, PrivateRound) else {}))
 
     def _send_partial(self, rnd: Round, why: str) -> None:
         key = (rnd.number, rnd.attempt)

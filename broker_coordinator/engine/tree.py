@@ -146,9 +146,12 @@ class TreeCoordinator(Coordinator):
         # most once a second, and its devices are busy until their receipts); a site selects at most
         # the devices it has eligible when its task arrives
         share = quotas(s.clients_per_round, {site: _count(self.online[site], "online") for site in self.eligible()})
+        if self.privacy:  # the sites draw the cohort (private_partials)
+            share = self.privacy.site_shares(share, {site: _count(self.online[site], "eligible")
+                                                     for site in self.eligible()})
         expected = {f"{site}/{w}" for site in share for w in range(self.sites[site].workers)}
         rnd = self._open_round(round_no, attempt, expected, deadline, self.population())
-        rnd.aggregate = TreeSum(self.specs, s.normalize_steps, self.extra_specs)  # type: ignore[assignment]
+        rnd.aggregate = self._tree_sum()  # type: ignore[assignment]
         rnd.train = not s.evaluation_only(round_no)
         self.extras = rnd.aggregate.extras
         if self.on_state:
@@ -163,7 +166,7 @@ class TreeCoordinator(Coordinator):
                              s.task_hparams(round_no), self.server_rule.broadcast(), s.codec, attempt,
                              self.objective.task, self.objective.loss,
                              evaluate=self.evaluate_devices or not rnd.train, train=rnd.train)
-        rules = site_rules(s)
+        rules = {**site_rules(s), **(self.privacy.site_privacy().rules() if self.privacy else {})}
         center_specs, center = encode_center(self.center if s.aggregator == "centered_clip" else None)
         payload = messages.encode("task", task)
         assert self.session is not None
@@ -184,6 +187,13 @@ class TreeCoordinator(Coordinator):
             self._set_state(rnd, RoundState.ABANDONED, f"{count} updates in {len(rnd.answered)} of {len(expected)} "
                                                        f"partials at the deadline, quorum is {s.min_updates}")
         return rnd
+
+    def _tree_sum(self) -> TreeSum:
+        """The round's aggregate of partials; with [privacy], of clipped sums, noised once at the close
+        (aggregation/private_partials.py: the robust bounds on partials stay out of the private path)."""
+        if self.privacy:
+            return self.privacy.tree_fold(self.specs)
+        return TreeSum(self.specs, self.settings.normalize_steps, self.extra_specs)
 
     def _eligible_devices(self) -> int:
         return sum(_count(self.online[site], "eligible") for site in self.eligible())
@@ -207,6 +217,8 @@ class TreeCoordinator(Coordinator):
             if partial.model_version != current.base_version:
                 raise Rejected("stale", f"partial folds updates to version {partial.model_version}, the round "
                                         f"distributed version {current.base_version}")
+            if self.privacy:  # [privacy]: a clipped sum at this round's C, or nothing
+                current.aggregate.check(partial, sums)
         except Rejected as exc:
             self._reject(who, exc.reason, exc.detail, current)
             return

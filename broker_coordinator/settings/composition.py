@@ -96,9 +96,6 @@ RULES: tuple[Rule, ...] = (
          "honest account, every version a full Gaussian release to every device, needs noise that stops "
          "learning",
          lambda s, t: _private(s) and s.mode == "buffered", 'mode = "sync"'),
-    Rule('privacy central + topology sites', "not built",
-         "the site aggregators would forward clipped sums and the centre add the noise; not built",
-         lambda s, t: _private(s) and t == "sites", "remove the [sites.*] sections, or [privacy] mode = \"off\""),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

@@ -240,6 +240,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             sites.start()
             assert sites.rig is not None and sites.rig.central is not None
             passwords, port_of = sites.rig.passwords, sites.device_port
+            if settings.privacy.on and not settings.privacy.population:  # the sites hold the devices' keys
+                settings.privacy.population = len(devices)
             coordinator = tree_class(settings)(spec.federation, model, test_set, settings, device_keys={},
                                                sites=sites.specs(), **common)
             running.callback(coordinator.close)
