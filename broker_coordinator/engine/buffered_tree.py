@@ -87,18 +87,11 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
     def _open_buffer(self, round_no: int) -> Round:
         s = self.settings
         rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, self.population())
-        rnd.aggregate = DampedTreeSum(self.tree_sum(round_no, {}))  # type: ignore[assignment]
+        rnd.aggregate = DampedTreeSum(self._tree_sum())  # type: ignore[assignment]
         self.extras = rnd.aggregate.extras
         self.folded = set()
         self._set_state(rnd, RoundState.COLLECTING)
         return rnd
-
-    def tree_sum(self, round_no: int, share: Mapping[str, int]) -> Any:
-        """The tree's own aggregate where it has one (bounds per site), else a plain `TreeSum`."""
-        if hasattr(TreeCoordinator, "tree_sum"):
-            return TreeCoordinator.tree_sum(self, round_no, share)  # type: ignore[attr-defined]
-        from broker_coordinator.aggregation.partials import TreeSum
-        return TreeSum(self.specs, self.settings.normalize_steps, self.extra_specs)
 
     def _dispatch(self, buffer: Round) -> None:
         """A site task for every online site with eligible devices and no task out."""
