@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairwise", action="store_true", help="only a pairwise-covering subset of the cells")
     parser.add_argument("--versions", type=int, default=VERSIONS)
+    parser.add_argument("--where", nargs="+", metavar="AXIS=VALUE", default=[],
+                        help="only the cells with these values (e.g. schedule=buffered topology=sites): "
+                             "bench/results/composition_subset.json, .md")
     parser.add_argument("--rerun-failed", type=int, nargs="+", metavar="SEED",
                         help="rerun the cells composition.json records as failed, with these seeds: "
                              "bench/results/composition_reruns.json (a failure that holds, or noise)")
@@ -138,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells():
         why = refusal(cell)
         (refused.append({"combination": cell.name(), "reason": why}) if why else runnable.append(cell))
+    where = dict(item.split("=", 1) for item in args.where)
+    if unknown := set(where) - set(AXES):
+        parser.error(f"--where names no axis {sorted(unknown)}; the axes are {', '.join(AXES)}")
+    runnable = [c for c in runnable if all(asdict(c)[k] == v for k, v in where.items())]
     chosen = pairwise(runnable) if args.pairwise else runnable
     results = []
     for i, cell in enumerate(chosen, 1):
@@ -153,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {"measured_with": provenance.measured_with(
                provenance.invoked(), provenance.deciding(RoundSettings()), data="digits (sklearn)", agents=AGENTS,
                versions=args.versions, sites=SITES, round_timeout=20.0, buffer_size=3, seeds=[0],
-               varies={k: list(v) for k, v in AXES.items()}, subset="pairwise" if args.pairwise else "all"),
+               varies={k: list(v) for k, v in AXES.items()},
+               subset="pairwise" if args.pairwise else (" ".join(args.where) if where else "all")),
            "cells": results, "refused": refused}
-    name = "composition_pairwise" if args.pairwise else "composition"
+    name = "composition_pairwise" if args.pairwise else ("composition_subset" if where else "composition")
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
     rows = ["| schedule | topology | algorithm | fold | downlink | evaluate | ok | first | final |",
             "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: |"]
