@@ -331,7 +331,8 @@ def test_devices_list_shows_online_state_and_registry_columns(server):
         from broker_coordinator.storage.store import Store
         store = Store(server.config.storage.state_dir)  # what the coordinator records as rounds go by
         store.record_presence("dev-a", True, {})
-        store.db.execute("INSERT INTO device_rounds VALUES (4, 1, 'dev-a', 1, NULL, '{}', 0)")
+        store.db.execute("INSERT INTO device_rounds (round, attempt, device, accepted, reason, metrics, at, verdict) "
+                         "VALUES (4, 1, 'dev-a', 1, NULL, '{}', 0, 'folded')")
         store.close()
         result = server.cli("devices", "list")
         assert result.returncode == 0, result.stderr
