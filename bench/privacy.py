@@ -4,7 +4,11 @@ Two cohorts, each through the shipped engine with the in-memory transport (bench
 coordinator's own intake, private fold, accountant and budget stop; real local training):
 
 - `1000of10000`: FedProx Synthetic(1, 1) with 10,000 devices, 1,000 expected per round (Poisson
-  sampling, q = 0.1), the 83,978-parameter `synthetic_mlp` on its 60 features, FedProx;
+  sampling, q = 0.1), the 83,978-parameter `synthetic_mlp` on its 60 features, FedProx. Every
+  device labels with one shared model (`--synthetic-labels shared`, the default: the devices'
+  inputs still shift per device): with its own labelling model per device, as in FedProx's
+  Synthetic, no global model learns 10,000 of them (trained on the pooled data of 400 devices it
+  stays at chance, 12%, on held-out devices), and DP would look free because nothing learns;
 - `10of20`: the headline MNIST partition (bench/data, 20 devices), 10 per round (q = 0.5),
   the 80,202-parameter `mnist_cnn`, FedAvg.
 
@@ -40,8 +44,8 @@ EPSILONS = ("1", "3", "8", "none")
 DELTA = 1e-5
 
 
-def synthetic(cap: int, test_size: int) -> tuple[list[datasets.Dataset], datasets.Dataset]:
-    data = datasets.load_synthetic(1.0, 1.0, num_users=10_000, seed=0)
+def synthetic(cap: int, test_size: int, shared: bool = True) -> tuple[list[datasets.Dataset], datasets.Dataset]:
+    data = datasets.load_synthetic(1.0, 1.0, num_users=10_000, seed=0, shared_model=shared)
     clients = [data.train.subset(s[:cap] if cap else s) for s in data.natural_shards]
     rng = np.random.default_rng(1)
     test = data.test.subset(rng.permutation(len(data.test))[:test_size]) if test_size else data.test
@@ -113,14 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test", type=int, default=0, help="synthetic test samples (0 = all)")
     ap.add_argument("--clip-initial", type=float, default=0.5)
     ap.add_argument("--only", choices=("1000of10000", "10of20"), default=None)
+    ap.add_argument("--synthetic-labels", choices=("shared", "per-device"), default="shared",
+                    help="one labelling model for every synthetic device (learnable), or FedProx's own per device")
+    ap.add_argument("--merge", type=Path, default=None,
+                    help="with --only: keep the other cohort's rows from this earlier result file")
     ap.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
     args = ap.parse_args(argv)
     inmemory.set_threads(1)
     started = time.time()
     runs: dict[str, dict] = {}
     cuts = []
+    merged = None
+    if args.merge:
+        if not args.only:
+            ap.error("--merge keeps the other cohort of an earlier run: give --only the cohort to run now")
+        merged = json.loads(args.merge.read_text())
+        runs = {k: v for k, v in merged["runs"].items() if k != args.only}
     if args.only != "10of20":
-        clients, test = synthetic(args.cap, args.test)
+        clients, test = synthetic(args.cap, args.test, args.synthetic_labels == "shared")
         cohort = runs.setdefault("1000of10000", {})
         for eps in EPSILONS:
             per_seed = [run(f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
@@ -152,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         "measured_with": provenance.measured_with(provenance.invoked(), provenance.deciding(
             settings_for("fedprox", "8", 1000, 10_000, args.synthetic_rounds, args.clip_initial, 0.05)),
             delta=DELTA, sampling="poisson", clip="adaptive", clip_initial=args.clip_initial, local_epochs=1,
-            transport="in-memory (bench/inmemory.py)", cuts=cuts, wall_seconds=round(time.time() - started)),
+            transport="in-memory (bench/inmemory.py)", cuts=cuts, wall_seconds=round(time.time() - started),
+            synthetic_labels=args.synthetic_labels,
+            **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
         "accountant_check": accountant_check(args.synthetic_rounds),
         "round_seconds": round_seconds,

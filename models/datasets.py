@@ -91,12 +91,17 @@ def load_digits() -> FederatedData:
 
 
 def generate_synthetic(alpha: float, beta: float, num_users: int = 30, seed: int = 0,
-                       dimension: int = 60, num_classes: int = 10) -> list[Dataset]:
+                       dimension: int = 60, num_classes: int = 10, shared_model: bool = False) -> list[Dataset]:
     """FedProx's Synthetic(alpha, beta) (Li et al., MLSys 2020, data/synthetic generator).
 
     User k: n_k = lognormal(4, 2) + 50 samples; u_k ~ N(0, alpha) shifts its
     model W_k, b_k ~ N(u_k, 1); B_k ~ N(0, beta) shifts its input mean
     v_k ~ N(B_k, 1); x ~ N(v_k, diag(j^-1.2)); y = argmax(softmax(W_k x + b_k)).
+
+    `shared_model`: every user labels with one (W, b) ~ N(0, 1) (FedProx's
+    synthetic_iid labelling, beside the users' own input shifts): with many
+    users, each with its own W_k, no one global model can fit them (at 10,000
+    users a model trained on the pooled data stays at chance on held-out users).
     """
     rng = np.random.default_rng(seed)
     sizes = rng.lognormal(4, 2, num_users).astype(int) + 50
@@ -104,19 +109,23 @@ def generate_synthetic(alpha: float, beta: float, num_users: int = 30, seed: int
     shift = rng.normal(0, beta, num_users)
     std_x = np.sqrt(np.power(np.arange(1, dimension + 1, dtype=np.float64), -1.2))
     users = []
+    shared = (rng.normal(0, 1, (dimension, num_classes)), rng.normal(0, 1, num_classes)) if shared_model else None
     for k in range(num_users):
         mean_x = rng.normal(shift[k], 1, dimension)
         w = rng.normal(mean_w[k], 1, (dimension, num_classes))
         b = rng.normal(mean_w[k], 1, num_classes)
+        if shared is not None:
+            w, b = shared
         x = mean_x + std_x * rng.standard_normal((sizes[k], dimension))
         y = np.argmax(x @ w + b, axis=1)  # argmax of softmax == argmax of logits
         users.append(Dataset(x.astype(np.float32), y.astype(np.int64)))
     return users
 
 
-def load_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 30, seed: int = 0) -> FederatedData:
+def load_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 30, seed: int = 0,
+                   shared_model: bool = False) -> FederatedData:
     """Each user keeps 80% of its samples for training; the other 20% pool into the test set."""
-    users = generate_synthetic(alpha, beta, num_users, seed)
+    users = generate_synthetic(alpha, beta, num_users, seed, shared_model=shared_model)
     rng = np.random.default_rng(seed + 1)
     train_parts, test_parts, shards, offset = [], [], [], 0
     for user in users:
@@ -128,7 +137,8 @@ def load_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 30, s
         offset += cut
     train = Dataset(np.concatenate([p.x for p in train_parts]), np.concatenate([p.y for p in train_parts]))
     test = Dataset(np.concatenate([p.x for p in test_parts]), np.concatenate([p.y for p in test_parts]))
-    return FederatedData(f"synthetic({alpha},{beta})", "logreg60", train, test, natural_shards=shards)
+    name = f"synthetic({alpha},{beta}{', shared labelling' if shared_model else ''})"
+    return FederatedData(name, "logreg60", train, test, natural_shards=shards)
 
 
 def load(name: str, num_users: int = 30, seed: int = 0) -> FederatedData:
