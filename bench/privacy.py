@@ -121,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="one labelling model for every synthetic device (learnable), or FedProx's own per device")
     ap.add_argument("--merge", type=Path, default=None,
                     help="with --only: keep the other cohort's rows from this earlier result file")
+    ap.add_argument("--combine", type=Path, nargs=2, metavar=("MAIN", "OTHER"), default=None,
+                    help="no run: MAIN's result with OTHER's rows of the cohorts MAIN lacks (each run's "
+                         "measured_with kept) into --out")
     ap.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(*args.combine, args.out)
     inmemory.set_threads(1)
     started = time.time()
     runs: dict[str, dict] = {}
@@ -177,6 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     args.out.with_suffix(".md").write_text(report(result))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return 0
+
+
+def combine(main: Path, other: Path, out: Path) -> int:
+    """Two partial results as one: MAIN's, plus OTHER's rows of the cohorts MAIN did not run."""
+    result, extra = json.loads(main.read_text()), json.loads(other.read_text())
+    added = [k for k in extra["runs"] if k not in result["runs"]]
+    result["runs"].update({k: extra["runs"][k] for k in added})
+    result["measured_with"] = {**result["measured_with"],
+                               "merged": {k: extra["measured_with"] for k in added}}
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(report(result))
+    print(f"wrote {out} and {out.with_suffix('.md')}: {', '.join(added) or 'nothing'} from {other}")
     return 0
 
 
