@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from broker_coordinator.aggregation.robust import RobustRound, trimmed_mean
-from broker_coordinator.aggregation.trust import NormBound, SampleWeights
+from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
 
 SPECS = {"w": (4,)}
 
@@ -80,6 +80,34 @@ def test_a_device_sending_zeros_round_after_round_cannot_collapse_the_bound():
         bound.record(0.0, "quiet")
     assert bound.bound() == pytest.approx(1.5)
     assert len(bound.history) == 6
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "centered_clip"])
+def test_a_history_of_zeros_neither_freezes_the_federation_nor_lets_the_bounded_pull_the_bound_up(aggregator):
+    """Issue 20: 46 rounds of zero deltas left the history at median 0 and every later honest update was
+    clipped to nothing, for good (the recorded norms were the clipped ones). Now honest entries grow back
+    by at most GROWTH per record, so the bound (and centered_clip's radius) recovers in a few rounds."""
+    zeros = {"by_device": {f"d{i}": 0.0 for i in range(10)}}
+    bound, radius = NormBound(multiplier=1.5), NormBound(multiplier=1.5)
+    bound.load_state(zeros)
+    radius.load_state(zeros)
+    center = {"w": np.zeros(4, np.float32)} if aggregator == "centered_clip" else None
+    honest = {"w": np.full(4, 0.2, np.float32)}  # norm 0.4, distance 0.4 from the centre
+    means = []
+    for _ in range(12):
+        rnd = RobustRound(SPECS, bound, aggregator, center=center, radius=radius)
+        for i in range(10):
+            rnd.add(f"d{i}", honest, 1.0)
+        means.append(float(rnd.mean()["w"][0]))
+    assert means[0] > 0  # never clipped to nothing
+    assert means[-1] == pytest.approx(0.2) and not rnd.clipped and not rnd.centered  # recovered
+    # one device's entry rises by at most GROWTH per record: a huge claim cannot drag the bound up
+    bound = NormBound(multiplier=1.5)
+    for i in range(9):
+        bound.record(1.0, f"h{i}")
+    for _ in range(3):
+        bound.observe(1e6, "liar", bound.bound())
+    assert bound.by_device["liar"] == pytest.approx(1.5 * GROWTH ** 2) and bound.bound() == pytest.approx(1.5)
 
 
 def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre():

@@ -127,7 +127,7 @@ class RobustRound:
               bound: float | None) -> Mapping[str, np.ndarray]:
         if bound is None:
             return delta
-        self.bound.record(min(norm, bound), device)
+        self.bound.observe(norm, device, bound)
         if norm <= bound:
             return delta
         self.clipped[device] = (norm, bound)
@@ -140,7 +140,7 @@ class RobustRound:
         offset = {name: np.asarray(delta[name], dtype=np.float32) - self.center[name] for name in self.specs}
         distance = l2_norm(offset)
         tau = self.tau
-        self.radius.record(distance if tau is None else min(distance, tau), device)
+        self.radius.observe(distance, device, tau)
         if tau is None or distance <= tau:
             return delta
         self.centered[device] = (distance, tau)
