@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.robust import RobustRound, trimmed_mean
+from broker_coordinator.aggregation.robust import OUTLIER_SHARE, RobustRound, trimmed_mean
 from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
 
 SPECS = {"w": (4,)}
@@ -124,8 +124,9 @@ def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre(
     # the radius: 1.5 x the median distance of earlier rounds, fixed for the round
     assert distance == pytest.approx(2.0) and tau == pytest.approx(1.5 * 0.2)
     pulled = 0.5 - tau / 2  # c + tau * unit(delta - c): each of 4 coordinates moves tau / 2
-    assert np.allclose(rnd.mean()["w"], (4 * 0.55 + pulled) / 5, atol=1e-6)
-    assert set(rnd.centered) == {"attacker"}
+    share = OUTLIER_SHARE / (1 - OUTLIER_SHARE) * 4  # what is left of its weight 1: the clipped hold 10%
+    assert np.allclose(rnd.mean()["w"], (4 * 0.55 + share * pulled) / (4 + share), atol=1e-6)
+    assert set(rnd.centered) == {"attacker"} and rnd.outlier_scale == pytest.approx(share)
 
 
 @pytest.mark.parametrize("aggregator", ["trimmed_mean", "median"])
@@ -284,3 +285,42 @@ def test_rollback_from_the_command_line_and_refused_while_the_coordinator_runs(t
     assert done.returncode == 0, done.stderr
     assert "rolled back from round 3 to round 2" in done.stdout and "version 4" in done.stdout
     assert Store(state).load_checkpoint().round == 2
+
+
+def _round_with_one_attacker(n: int, attack: str, seed: int) -> float:
+    """Distance of a centered_clip aggregate from the mean of its n - 1 honest updates."""
+    rng = np.random.default_rng(seed)
+    size = 64
+    step = rng.standard_normal(size).astype(np.float32)
+    step /= np.linalg.norm(step)  # the last applied step: the round's centre
+
+    def honest_update():
+        return (step + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    bound, radius = NormBound(1.5), NormBound(1.5)
+    for i in range(20):  # earlier rounds' honest norms and distances from their centre
+        h = honest_update()
+        bound.record(float(np.linalg.norm(h)), f"old-{i}")
+        radius.record(float(np.linalg.norm(h - step)), f"old-{i}")
+    rnd = RobustRound({"w": (size,)}, bound, "centered_clip", center={"w": step}, radius=radius)
+    honest = [honest_update() for _ in range(n - 1)]
+    for i, h in enumerate(honest):
+        rnd.add(f"h{i}", {"w": h}, 1.0)
+    if attack == "reversed":  # the global step reversed, scaled to just under the norm bound
+        bad = -0.99 * bound.bound() * step
+    else:  # a random delta of norm 1e6
+        bad = rng.standard_normal(size)
+        bad *= 1e6 / np.linalg.norm(bad)
+    rnd.add("attacker", {"w": bad.astype(np.float32)}, 1.0)
+    assert "attacker" in rnd.centered
+    return float(np.linalg.norm(rnd.mean()["w"] - np.mean(honest, axis=0)))
+
+
+@pytest.mark.parametrize("attack", ["reversed", "random"])
+def test_a_round_of_4_is_defended_as_well_as_a_round_of_10(attack):
+    """Issue 20: one attacker of 4 held a quarter of the round's weight, so it pulled the aggregate 2.6x
+    as far from the honest mean as one of 10. The radius-clipped updates now share at most
+    OUTLIER_SHARE of a round's weight."""
+    four = np.mean([_round_with_one_attacker(4, attack, s) for s in range(20)])
+    ten = np.mean([_round_with_one_attacker(10, attack, s) for s in range(20)])
+    assert four <= 1.2 * ten, f"a round of 4 ends {four / ten:.2f}x as far from its honest mean as a round of 10"
