@@ -37,6 +37,7 @@ from broker_coordinator.aggregation.partials import (
     parse_site_topic,
     site_topic,
 )
+from broker_coordinator.aggregation.robust import OUTLIER_SHARE
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.site_aggregator import site_rules
@@ -63,6 +64,7 @@ def partial_cap(update_cap: int) -> int:
 class SiteSpec:
     workers: int
     key: bytes  # signs the site's partials
+    devices: int = 0  # the registry's count of the site's devices (0: unknown; the round's quota bounds it)
 
 
 def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
@@ -89,6 +91,17 @@ class TreeCoordinator(Coordinator):
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
         self.max_partial_bytes = partial_cap(self.max_update_bytes)
+
+    def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum:
+        """The round's aggregate of partials, each site bounded as one more device of the centre (see
+        `TreeSum`): at most its quota (or the registry's count of its devices) of updates, a weight and a
+        length against the other sites'."""
+        s = self.settings
+        allowed = {site: share.get(site) or spec.devices for site, spec in self.sites.items()}
+        return TreeSum(self.specs, s.normalize_steps, self.extra_specs, round_no=round_no, allowed=allowed,
+                       center=self.center if s.aggregator == "centered_clip" else None, weighting=s.weighting,
+                       weight_cap=s.weight_cap, norm_bound=s.norm_bound,
+                       outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None)
 
     def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
         self.inbox.put(("", b"reset-presence", time.time(), False))
@@ -148,7 +161,7 @@ class TreeCoordinator(Coordinator):
         share = quotas(s.clients_per_round, {site: _count(self.online[site], "online") for site in self.eligible()})
         expected = {f"{site}/{w}" for site in share for w in range(self.sites[site].workers)}
         rnd = self._open_round(round_no, attempt, expected, deadline, self.population())
-        rnd.aggregate = TreeSum(self.specs, s.normalize_steps, self.extra_specs)  # type: ignore[assignment]
+        rnd.aggregate = self.tree_sum(round_no, share)  # type: ignore[assignment]
         rnd.train = not s.evaluation_only(round_no)
         self.extras = rnd.aggregate.extras
         if self.on_state:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from broker_coordinator.aggregation.partials import TreeSum
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed
 from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.engine.tree import TreeCoordinator
@@ -43,7 +42,7 @@ def fold_partials(tree: TreeCoordinator, shares: Mapping[str, int], payloads: li
     base_sha = model_sha256(tree.weights)
     expected = {f"{site}/{w}" for site in shares for w in range(tree.sites[site].workers)}
     rnd = tree._open_round(round_no, 1, expected, time.time() + tree.settings.round_timeout, sum(shares.values()))
-    rnd.aggregate = TreeSum(tree.specs, tree.settings.normalize_steps, tree.extra_specs)  # type: ignore[assignment]
+    rnd.aggregate = tree.tree_sum(round_no, shares)  # type: ignore[assignment]
     tree.extras = rnd.aggregate.extras
     rnd.move(RoundState.COLLECTING)
     for site, payload in payloads:
