@@ -50,26 +50,30 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
-RUNS = RESULTS / "attacks_runs"
+from .attacks_report import (  # the grid's names, which the report reads too
+    FOLDS,
+    HEADLINE,
+    RESULTS,
+    ROUND_TIMEOUT,
+    RUNS,
+    SECOND,
+    SECOND_ATTACKS,
+    SITES,
+    report,
+    run_key,
+)
+
 ATTACKS = ("sign_flip", "reversed", "colluding", "label_flip", "backdoor", "inflated_count", "adaptive")
 FRACTIONS = (0.1, 0.2)
-FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"}}  # name -> RoundSettings overrides
-HEADLINE = "mnist5k_dirichlet0.5_20clients"
-SECOND = "synthetic1,1_30clients"
-SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
 BASELINE_RUNS = ("clean", "absent@0.1", "absent@0.2", "sign_flip@0.1", "reversed@0.2", "backdoor@0.1",
                  "backdoor@0.2", "sites/clean", "sites/compromised_site@0.25")
-SITES = 4
 ROUNDS = 10
 ARCH = {HEADLINE: "mnist_mlp"}  # the CNN of bench/algorithms.py costs 1.5x: the grid would not fit an hour
 SEEDS = (1, 2)
 BACKDOOR_CLASS = 0
-ROUND_TIMEOUT = 6.0  # the demo's deadline (bench/algorithms.py): it caps the device-chosen epochs
 
 
 def attackers_of(fraction: float, devices: list[str], seed: int) -> set[str]:
@@ -230,10 +234,6 @@ def runs_of(partition: str, fold: str = "centered_clip") -> list[str]:
     return out if fold == "centered_clip" else [r for r in out if r in BASELINE_RUNS]
 
 
-def run_key(partition: str, run: str, fold: str, seed: int, rounds: int) -> str:
-    return f"{partition}__{run.replace('/', '-')}__{fold}__s{seed}__r{rounds}"
-
-
 def _job(args: tuple) -> str:
     path = RUNS / f"{run_key(*args)}.json"
     if path.exists():
@@ -255,8 +255,6 @@ def plan(rounds: int, folds: list[str], seeds: tuple[int, ...], partitions: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.attacks_report import report
-
     parser = argparse.ArgumentParser(prog="python -m bench.attacks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (one torch thread each)")

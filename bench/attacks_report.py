@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 from . import provenance
-from .attacks import FOLDS, HEADLINE, ROUND_TIMEOUT, RUNS, RESULTS, SECOND, SECOND_ATTACKS, SITES, run_key
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "attacks_runs"
+FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"}}  # name -> RoundSettings overrides
+HEADLINE = "mnist5k_dirichlet0.5_20clients"
+SECOND = "synthetic1,1_30clients"
+SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
+SITES = 4
+ROUND_TIMEOUT = 6.0  # the demo's deadline (bench/algorithms.py): it caps the device-chosen epochs
+
+
+def run_key(partition: str, run: str, fold: str, seed: int, rounds: int) -> str:
+    return f"{partition}__{run.replace('/', '-')}__{fold}__s{seed}__r{rounds}"
 
 DEFAULT_FOLD = "centered_clip"
 CUT = (f"the second partition ({SECOND}) runs clean, absent@0.1 and {', '.join(SECOND_ATTACKS)} at 10% only, "
@@ -107,11 +120,11 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
 def markdown(out: dict, folds: list[str]) -> str:
     mw = out["measured_with"]
     lines = [f"# Attacks on what ships: final accuracy (%), mean of seeds {mw['seeds']}", "",
-             f"Written by `{mw['command']}` ({', '.join(mw['run_commits'])}). {mw['rounds']} rounds, 10 devices a "
+             (f"Written by `{mw['command']}` ({', '.join(mw['run_commits'])}). {mw['rounds']} rounds, 10 devices a "
              f"round, dynsam with device-chosen epochs ({mw['round_timeout']:g} s deadline, demo fleet), the default "
              "codec and every coordinator default but the fold. In brackets: against `absent` at the same fraction "
              "(flat) or the clean tree (sites). folded/sent: the attackers' updates folded in / sent; "
-             "ASR: backdoor success on stamped test images of classes 1-9.", f"Cut to fit an hour: {CUT}.", ""]
+             "ASR: backdoor success on stamped test images of classes 1-9."), f"Cut to fit an hour: {CUT}.", ""]
     for partition, by_run in out["runs"].items():
         lines += [f"## {partition}", "", "| run | " + " | ".join(folds) + " |", "|---|" + "---:|" * len(folds)]
         for run, cells in by_run.items():

@@ -14,7 +14,11 @@ import time
 
 import numpy as np
 
-from broker_coordinator.aggregation.partials import SiteTask, encode_center, encode_partial
+from broker_coordinator.aggregation.partials import (
+    SiteTask,
+    encode_center,
+    encode_partial,
+)
 from broker_coordinator.engine.coordinator import RoundFailed
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas

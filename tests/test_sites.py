@@ -339,7 +339,7 @@ class Device:
         self.client.publish(topics.status(FED, name), messages.encode("status", messages.Status(name, "online")),
                             qos=1, retain=True).wait_for_publish(5)
 
-    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+    def _on_message(self, client, userdata, msg) -> None:
         try:
             if topics.parse_model_topic(msg.topic) is not None:
                 self.models.append(msg.topic)
@@ -467,7 +467,7 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
         wait_until(lambda: ("edgefl/field/model/7", b"manifest") in worker.messages, 15, "the model at the site")
         south.client.publish("edgefl/field/site/north/partial", b"forged", qos=1).wait_for_publish(5)
         worker.client.publish("edgefl/field/site/north/partial", b"partial", qos=1).wait_for_publish(5)
-        partials = lambda: [m for m in central.messages if m[0].endswith("/partial")]  # noqa: E731
+        partials = lambda: [m for m in central.messages if m[0].endswith("/partial")]
         wait_until(partials, 10, "the site's partial at the central broker")
         time.sleep(0.5)
         assert partials() == [("edgefl/field/site/north/partial", b"partial")]

@@ -7,7 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.robust import OUTLIER_SHARE, RobustRound, trimmed_mean
+from broker_coordinator.aggregation.robust import (
+    OUTLIER_SHARE,
+    RobustRound,
+    trimmed_mean,
+)
 from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
 
 SPECS = {"w": (4,)}

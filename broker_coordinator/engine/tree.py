@@ -103,7 +103,7 @@ class TreeCoordinator(Coordinator):
                        weight_cap=s.weight_cap, norm_bound=s.norm_bound,
                        outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None)
 
-    def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
+    def _on_connect(self, client) -> None:
         self.inbox.put(("", b"reset-presence", time.time(), False))
         client.subscribe([(all_site_topics(self.fed, "status"), 1), (all_site_topics(self.fed, "partial"), 1)])
         for topic, payload in self._model_payloads:
