@@ -23,7 +23,7 @@ def run_key(partition: str, run: str, fold: str, seed: int, rounds: int) -> str:
 
 DEFAULT_FOLD = "centered_clip"
 CUT = (f"the second partition ({SECOND}) runs clean, absent@0.1 and {', '.join(SECOND_ATTACKS)} at 10% only, "
-       "flat only; 15 rounds (not the issue's 25); sites only on the headline partition (clean and one "
+       "flat only; 10 rounds on the headline partition, with the MLP (not the issue's 25 with the CNN); sites only on the headline partition (clean and one "
        "compromised site of 4)")
 
 
