@@ -17,7 +17,12 @@ then combined by one of (`RoundSettings.aggregator`):
   most `OUTLIER_SHARE` of the round's weight (their weights are scaled down
   together when the round closes, never to zero): one update outside the
   radius then pulls a round of 4 no further than a round of 10, where it
-  would hold 1/10 of the weight anyway. Each update is judged as it arrives, by
+  would hold 1/10 of the weight anyway. And a device the radius keeps
+  clipping loses standing: its weight is multiplied by the product of its
+  recent radius / distance ratios (at least `MIN_STANDING`; each update inside
+  the radius doubles it back, up to 1), so a persistent attacker fades while
+  an honest device clipped once is whole again at its next update. Each update
+  is judged as it arrives, by
   the same rule at a site and at the centre, so the fold streams: memory
   O(model) at any cohort size. Without a centre (the first round) it is the
   plain clipped mean.
@@ -103,6 +108,7 @@ class RobustRound:
         self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
         self.centered: dict[str, tuple[float, float]] = {}  # device -> (distance, radius) of every centre-clipped one
         self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
+        self.discounted: dict[str, float] = {}  # centered_clip: device -> the share of its weight its standing kept
         self.count = 0
 
     @property
@@ -134,8 +140,14 @@ class RobustRound:
         if self.center is None:
             self.stream.add(delta, weight, steps)
             return
+        standing = self.radius.standing.get(device, 1.0)  # from earlier rounds: the fold keeps its order
+        if standing < 1:
+            self.discounted[device] = standing
         centered = self._center(device, delta)
-        (self.outliers if device in self.centered else self.stream).add(centered, weight, steps)
+        outside = self.centered.get(device)
+        if self.tau is not None:
+            self.radius.stand(device, outside[1] / outside[0] if outside else 1.0)
+        (self.outliers if outside else self.stream).add(centered, weight * standing, steps)
 
     def _clip(self, device: str, delta: Mapping[str, np.ndarray], norm: float,
               bound: float | None) -> Mapping[str, np.ndarray]:

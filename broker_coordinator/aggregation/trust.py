@@ -36,6 +36,7 @@ from broker_coordinator.settings.choices import WEIGHTINGS
 
 MIN_KNOWN = 3  # devices with a trusted count before counts are used as weights
 GROWTH = 2.0  # a device's recorded norm may exceed the bound it was judged by only up to this times its last
+MIN_STANDING = 0.05  # centered_clip: the least share of its weight a device keeps, however often it is clipped
 FLOOR = 1e-3  # L2 norm: no bound goes below multiplier x FLOOR, and a record starts at least from it
 
 
@@ -98,6 +99,9 @@ class NormBound:
     def __init__(self, multiplier: float = 1.5, window: int = 100, warmup: int = 5) -> None:
         self.multiplier, self.warmup, self.window = multiplier, warmup, window
         self.by_device: OrderedDict[str, float] = OrderedDict()
+        # centered_clip's radius: device -> the share of its weight it keeps, lowered each time the radius
+        # clips it (by radius / distance) and raised again (x GROWTH, up to 1) by each update inside it
+        self.standing: dict[str, float] = {}
         self._anonymous = 0
 
     @property
@@ -131,10 +135,20 @@ class NormBound:
         self.by_device.pop(device, None)
         self.by_device[device] = float(norm)
         while len(self.by_device) > self.window:
-            self.by_device.popitem(last=False)
+            gone, _ = self.by_device.popitem(last=False)
+            self.standing.pop(gone, None)
+
+    def stand(self, device: str, fraction: float) -> None:
+        """A device judged at `fraction` (radius / distance; 1 inside the radius) of what it claimed."""
+        standing = self.standing.get(device, 1.0)
+        standing = standing * fraction if fraction < 1 else min(1.0, standing * GROWTH)
+        if standing < 1:
+            self.standing[device] = max(standing, MIN_STANDING)
+        else:
+            self.standing.pop(device, None)
 
     def state(self) -> dict[str, Any]:
-        return {"by_device": dict(self.by_device)}
+        return {"by_device": dict(self.by_device), "standing": dict(self.standing)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.by_device.clear()
@@ -143,3 +157,4 @@ class NormBound:
             self.record(float(norm), str(device))
         for norm in state.get("history") or []:  # a checkpoint from before per-device entries
             self.record(float(norm))
+        self.standing = {str(d): float(v) for d, v in (state.get("standing") or {}).items()}
