@@ -328,3 +328,25 @@ def test_a_round_of_4_is_defended_as_well_as_a_round_of_10(attack):
     four = np.mean([_round_with_one_attacker(4, attack, s) for s in range(20)])
     ten = np.mean([_round_with_one_attacker(10, attack, s) for s in range(20)])
     assert four <= 1.2 * ten, f"a round of 4 ends {four / ten:.2f}x as far from its honest mean as a round of 10"
+
+
+def test_a_device_the_radius_keeps_clipping_fades_and_an_honest_outlier_recovers():
+    center = {"w": np.full(4, 0.5, np.float32)}
+    radius = NormBound(multiplier=1.5)
+    for i in range(9):
+        radius.record(0.2, f"h{i}")
+    shares = []
+    for round_no in range(4):
+        rnd = RobustRound(SPECS, NormBound(multiplier=0), "centered_clip", center=center, radius=radius)
+        for i in range(9):
+            rnd.add(f"h{i}", {"w": np.full(4, 0.55, np.float32)}, 1.0)
+        rnd.add("attacker", {"w": np.full(4, -0.5, np.float32)}, 1.0)  # distance 2.0, radius 0.3: 0.15 a round
+        once = np.full(4, -0.5 if round_no == 0 else 0.55, np.float32)  # clipped in the first round only
+        rnd.add("once", {"w": once}, 1.0)
+        rnd.mean()
+        shares.append(rnd.discounted.get("attacker", 1.0))
+    assert shares == pytest.approx([1.0, 0.15, 0.05, 0.05])  # 0.15 x 0.15 is below MIN_STANDING
+    assert "once" not in radius.standing  # 0.15, then x2 per update inside: 0.3, 0.6, 1
+    again = NormBound()
+    again.load_state(radius.state())
+    assert again.standing == radius.standing
