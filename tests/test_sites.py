@@ -232,6 +232,7 @@ def _tree_round(digits, forge: bool, seed: int = 7):
             partial.count = 50
         partials.append((site, encode_partial(partial, site_keys[site])))
     record = fold_partials(tree, {s: 3 for s in site_keys}, partials)
+    assert not forge or 0 < tree.site_standing["west"] < 1  # its next partials weigh less still
     return {n: tree.weights[n] - before[n] for n in before}, record
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.aggregation.streaming import StreamingMean
+from broker_coordinator.aggregation.trust import GROWTH, MIN_STANDING
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.messages import (  # the same header checks as every message
@@ -257,7 +258,8 @@ class TreeSum:
     - its mean step's distance from the round's centre (its length, without one) to `norm_bound`
       times the median distance of the round's partials, when there are 3 or more (0: off);
       clipped partials share at most `OUTLIER_SHARE` of the round's weight when the fold is
-      centered_clip, exactly as clipped updates do at a site.
+      centered_clip, exactly as clipped updates do at a site, and a site clipped round after round
+      loses standing as a device does (`standing`, kept by the tree in memory).
     The partials are held until the round closes: memory O(partials x model), partials being
     one per site worker.
     """
@@ -266,7 +268,7 @@ class TreeSum:
                  extra_specs: Mapping[str, tuple[int, ...]] | None = None, *, round_no: int = 0,
                  allowed: Mapping[str, int] | None = None, center: Mapping[str, np.ndarray] | None = None,
                  weighting: str = "uniform", weight_cap: float = 2.0, norm_bound: float = 0.0,
-                 outlier_share: float | None = None) -> None:
+                 outlier_share: float | None = None, standing: dict[str, float] | None = None) -> None:
         self.stream = StreamingMean(specs, normalize_steps)
         self.specs = dict(specs)
         self.extras = StreamingMean(extra_specs) if extra_specs else None
@@ -274,6 +276,8 @@ class TreeSum:
         self.center = center
         self.weighting, self.weight_cap, self.norm_bound = weighting, weight_cap, norm_bound
         self.outlier_share = outlier_share
+        self.standing = standing if standing is not None else {}  # site -> share of its weight it keeps (the tree's)
+        self.discounted: dict[str, float] = {}  # "site S" -> the standing its weight was multiplied by
         self.held: list[tuple[str, int, float, float, dict[str, np.ndarray]]] = []  # site, count, W, steps, sums
         self.counted: Counter[str] = Counter()  # site -> devices counted so far this round
         self.clipped: dict[str, tuple[float, float]] = {}
@@ -332,6 +336,9 @@ class TreeSum:
             factor = (steps / w) if self.stream.normalize_steps else 1.0  # a partial's mean is factor * sums / w
             step = {name: a * (factor / w) for name, a in sums.items()}
             bounded = w if self.weighting == "reported" else min(w, n * self.weight_cap * per_device)
+            if self.standing.get(site, 1.0) < 1:  # clipped in earlier rounds (see trust.NormBound.stand)
+                self.discounted[f"site {site}"] = self.standing[site]
+                bounded *= self.standing[site]
             if bounded < w:
                 self.weighed[f"site {site}"] = (w, bounded)
                 self.bounded["site_weight"] += 1
@@ -345,6 +352,13 @@ class TreeSum:
         outside = StreamingMean(self.specs, self.stream.normalize_steps)
         for site, w, steps, step, offset, distance in rows:
             clipped = radius is not None and distance > radius
+            if radius is not None:
+                kept = self.standing.get(site, 1.0)
+                kept = max(MIN_STANDING, kept * radius / distance) if clipped else min(1.0, kept * GROWTH)
+                if kept < 1:
+                    self.standing[site] = kept
+                else:
+                    self.standing.pop(site, None)
             if clipped:
                 self.centered[f"site {site}"] = (distance, radius)
                 self.bounded["site_center"] += 1

@@ -91,6 +91,7 @@ class TreeCoordinator(Coordinator):
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
         self.max_partial_bytes = partial_cap(self.max_update_bytes)
+        self.site_standing: dict[str, float] = {}  # site -> share of its weight it keeps (TreeSum; not checkpointed)
 
     def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum:
         """The round's aggregate of partials, each site bounded as one more device of the centre (see
@@ -101,7 +102,8 @@ class TreeCoordinator(Coordinator):
         return TreeSum(self.specs, s.normalize_steps, self.extra_specs, round_no=round_no, allowed=allowed,
                        center=self.center if s.aggregator == "centered_clip" else None, weighting=s.weighting,
                        weight_cap=s.weight_cap, norm_bound=s.norm_bound,
-                       outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None)
+                       outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None,
+                       standing=self.site_standing)
 
     def _on_connect(self, client) -> None:
         self.inbox.put(("", b"reset-presence", time.time(), False))
