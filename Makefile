@@ -54,7 +54,7 @@ test-soak: setup mosquitto  # bench/results/test_soak.json, test_soak.md (the su
 	$(BIN)/python -m bench.test_soak $(SOAK_ARGS)
 
 # benchmarks too slow for `make test`; each writes its results to bench/results/
-attacks: setup            # bench/results/attacks.json, attacks.md (about an hour on 2 cores)
+attacks: setup            # bench/results/attacks.json, attacks.md, attacks.png (about an hour of one core)
 	$(BIN)/python -m bench.attacks
 
 buffered: setup mosquitto     # bench/results/buffered.json, .md, .png: sync vs buffered mode (seeds 1-2, about 25 minutes)

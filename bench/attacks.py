@@ -1,35 +1,43 @@
-"""Attack benchmark (a benchmark, not a test): a fraction of enrolled devices send
-signed, well-formed, malicious updates, against the default aggregation and
-each option.
+"""Attack benchmark (a benchmark, not a test): a fraction of enrolled devices send signed,
+well-formed, malicious updates, against what ships, flat and in sites.
 
-    python -m bench.attacks              # the matrix: 5 attacks x {10%, 30%} x 4 aggregations, plus clean runs
-    python -m bench.attacks --quick      # smoke run (few rounds), under 5 minutes
-    python -m bench.attacks --report     # rebuild attacks.json / attacks.md from cached runs
+    python -m bench.attacks              # the grid (about an hour of one core; see SIZE below)
+    python -m bench.attacks --quick      # a smoke run: one partition, 3 rounds, 3 runs, one seed
+    python -m bench.attacks --report     # rebuild attacks.json / attacks.md / attacks.png from cached runs
 
-The headline partition (bench/data: MNIST-5k, 20 clients, Dirichlet 0.1), 10
-clients per round, FedAvg with 2 local epochs (`MEASURED_WITH`: the runtime's
-defaults when this was first run) and the default codec `topk0.1+q4c64+zlib`
-with error feedback on every device.
-Every answer goes through the coordinator's own path (`Coordinator.fold_round`:
-signature, validation, codec decode, trusted weights, norm bound, robust fold),
-only the broker is left out. Attackers are a fixed, seeded subset of the 20
-devices; each round's cohort is drawn as the coordinator draws it, so a round
-holds from none to all of them.
+Every device runs the agent's own round through `bench/inmemory.py`: the shipped default
+algorithm (`dynsam`), device-chosen epochs (planned from its emulated class speed and the
+deadline, on the demo's fleet mix with its 6 s round timeout, as `bench/algorithms.py`), the
+default codec with its error feedback, its own signing key. The signed payloads go through the
+coordinator's own intake, trust bounds, fold, server rule and evaluation (`fold_round`); in sites
+through four `SiteWorker`s and the tree's combination of their partials (`fold_partials`). Only
+the broker is left out. Every coordinator setting is the default except the fold (`FOLDS`, the
+rows) and `clients_per_round = 10`.
 
-Attacks (each on top of the attacker's honestly trained delta d):
-- scaled: 20 d (model replacement by boosting)
-- sign_flip: -4 d
+Attackers are a seeded sample of the devices (`attackers_of`); each round's cohort is drawn as
+the coordinator draws it, so a round holds none to several. On top of an attacker's honestly
+trained delta d (the attacker knows the coordinator's state: a white-box adversary):
+- sign_flip: -3 d
+- reversed: the last applied global step reversed, scaled to just under the norm bound
+  (the largest length the coordinator accepts)
+- colluding: every attacker of a round sends the same crafted update (-3 x the first one's d)
+- label_flip: trained on y -> 9 - y
+- backdoor: trained with half its data stamped with a 3x3 white patch (MNIST; the last 3 features
+  at 3x the data's largest value for vectors) and labelled 0; `attack_success` is the share of
+  stamped test examples of classes 1-9 the final model labels 0
 - inflated_count: -d, claiming 2^62 samples
-- backdoor: trained with every label set to class 0, then 3x
-- colluding: all attackers in the round send the same -4 x (mean of their d)
+- adaptive: knows the fold's rule and stays just inside it: the reversed last step at 0.95 x
+  centered_clip's radius from the centre (0.95 x the norm bound for `mean`)
+- compromised_site (in sites): one site aggregator of 4 sends a forged, correctly signed partial
+  (its mean step -10x, its weight 100x, claiming all of its site's devices)
+And `clean` (no attackers) and `absent` (the attackers' devices and data not in the federation,
+the best any defence can reach under non-IID data).
 
-And `absent`: the same devices send nothing. Under non-IID data their data is
-lost with them, so this is the best any defense can reach, the fair yardstick
-beside the clean run.
-
-Writes bench/results/attacks.json ({"clean": acc, "default_aggregator": NAME,
-"runs": {"ATTACK@FRACTION": {"AGGREGATOR": final_accuracy}}}) and attacks.md.
-Runs are cached in bench/results/attacks_runs/ (resumable).
+SIZE: 10 rounds (30 on the second partition); MNIST-5k Dirichlet(0.5) over 20 devices (the MLP of `models.architectures`) and
+FedProx's Synthetic(1,1) over 30 (logistic regression); 2 seeds; on the second partition only
+clean, absent and the 10% attacks that move the model most (`SECOND_ATTACKS`); the other folds
+(baselines) run only `BASELINE_RUNS`.
+Runs are cached per (partition, run, fold, seed) in bench/results/attacks_runs/ (resumable).
 """
 
 from __future__ import annotations
@@ -40,147 +48,200 @@ import logging
 import multiprocessing
 import os
 import random
-import statistics
 import sys
 import time
-import zlib
-from pathlib import Path
 
 import numpy as np
 
-from . import provenance
+from .attacks_report import (  # the grid's names, which the report reads too
+    FOLDS,
+    HEADLINE,
+    RESULTS,
+    ROUND_TIMEOUT,
+    RUNS,
+    SECOND,
+    SECOND_ATTACKS,
+    SITES,
+    report,
+    run_key,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results"
-RUNS = RESULTS / "attacks_runs"
-ATTACKS = ("scaled", "sign_flip", "inflated_count", "backdoor", "colluding", "absent")
-FRACTIONS = (0.1, 0.3)
-# name -> RoundSettings overrides. "unprotected" is the coordinator before issue 10.
-AGGREGATIONS: dict[str, dict] = {
-    "unprotected": {"weighting": "reported", "norm_bound": 0.0, "aggregator": "mean"},
-    "default": {},
-    "clipped_mean": {"aggregator": "mean"},
-    "tight": {"weight_cap": 1.0, "norm_bound": 1.0},
-    # FLTrust-style: the gate's direction from 2 epochs on 100 trusted images held by the coordinator
-    # (the last 100 of the test set, evaluated on the other 900)
-    "root": {"reference": "root"},
-    "trimmed_mean": {"aggregator": "trimmed_mean"},
-    "median": {"aggregator": "median"},
-}
+ATTACKS = ("sign_flip", "reversed", "colluding", "label_flip", "backdoor", "inflated_count", "adaptive")
+FRACTIONS = (0.1, 0.2)
+BASELINE_RUNS = ("clean", "absent@0.1", "absent@0.2", "sign_flip@0.1", "reversed@0.2", "backdoor@0.1",
+                 "backdoor@0.2", "sites/clean", "sites/compromised_site@0.25")
+ROUNDS = 10
+SECOND_ROUNDS = 30  # logistic regression is cheap, and after 10 rounds its accuracy is mostly seed noise
+ARCH = {HEADLINE: "mnist_mlp"}  # the CNN of bench/algorithms.py costs 1.5x: the grid would not fit an hour
+SEEDS = (1, 2)
 BACKDOOR_CLASS = 0
-MEASURED_WITH = {"algorithm": "fedavg", "local_epochs": 2}
-ROOT_FROM = 900  # "root": test images from here on are the coordinator's trusted root set
 
 
 def attackers_of(fraction: float, devices: list[str], seed: int) -> set[str]:
-    count = round(fraction * len(devices))
-    return set(random.Random(f"attackers/{seed}").sample(devices, count))
+    return set(random.Random(f"attackers/{seed}").sample(devices, round(fraction * len(devices))))
 
 
-def run_one(attack: str, fraction: float, aggregation: str, seed: int, rounds: int) -> dict:
+def stamp(x: np.ndarray) -> np.ndarray:
+    """The backdoor's trigger: a 3x3 white patch in the corner (images), the last 3 features (vectors)."""
+    x = x.copy()
+    if x.ndim == 4:
+        x[:, :, -4:-1, -4:-1] = x.max()
+    else:
+        x[:, -3:] = 3 * np.abs(x).max()
+    return x
+
+
+def _unit(tensors: dict) -> tuple[dict, float]:
+    norm = float(np.sqrt(sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in tensors.values())))
+    return {n: a / max(norm, 1e-12) for n, a in tensors.items()}, norm
+
+
+class Attack:
+    """One run's attackers: what they train on (`data_of`) and what they send (`tamper`)."""
+
+    def __init__(self, name: str, bad: set[str], seed: int) -> None:
+        self.name, self.bad, self.seed = name, bad, seed
+        self.coordinator = None  # set once the federation exists (the white-box attacker reads it)
+        self.shared: dict[int, dict] = {}  # colluding: round -> the one crafted update
+        self.sent = 0  # attackers' updates sent
+
+    def data_of(self, device: str, data):
+        from models.datasets import Dataset
+        if device not in self.bad or self.name not in ("label_flip", "backdoor"):
+            return data
+        if self.name == "label_flip":
+            return Dataset(data.x, 9 - data.y)
+        rng = np.random.default_rng(abs(hash((device, self.seed))) % 2**32)
+        half = rng.permutation(len(data))[: len(data) // 2]
+        x, y = data.x.copy(), data.y.copy()
+        x[half], y[half] = stamp(x[half]), BACKDOOR_CLASS
+        return Dataset(x, y)
+
+    def tamper(self, device: str, delta: dict, num_samples: int, round_no: int) -> tuple[dict, int]:
+        if device not in self.bad:
+            return delta, num_samples
+        self.sent += 1
+        c = self.coordinator
+        if self.name == "sign_flip":
+            return {n: -3.0 * a for n, a in delta.items()}, num_samples
+        if self.name == "inflated_count":
+            return {n: -a for n, a in delta.items()}, 2**62
+        if self.name == "colluding":
+            crafted = self.shared.setdefault(round_no, {n: -3.0 * a for n, a in delta.items()})
+            return {n: a.copy() for n, a in crafted.items()}, num_samples
+        if self.name in ("reversed", "adaptive"):
+            step = c.center if c.center is not None else delta  # the last applied step (or its own delta)
+            u, _ = _unit(step)
+            bound = c.norm_bound.bound() or _unit(delta)[1]
+            if self.name == "reversed":
+                return {n: -0.99 * bound * u[n] for n in delta}, num_samples
+            tau = c.radius.bound() if c.center is not None and c.settings.aggregator == "centered_clip" else None
+            x = ({n: c.center[n] - 0.95 * tau * u[n] for n in delta} if tau is not None
+                 else {n: -0.95 * bound * u[n] for n in delta})
+            unit_x, norm_x = _unit(x)
+            if norm_x > 0.95 * bound:  # inside the norm bound too
+                x = {n: 0.95 * bound * unit_x[n] for n in delta}
+            return {n: np.asarray(a, np.float32) for n, a in x.items()}, num_samples
+        return delta, num_samples
+
+
+def run_one(partition: str, run: str, fold: str, seed: int, rounds: int) -> dict:
     import torch
 
-    from bench.settings import headline
-    from broker_coordinator.engine.coordinator import (
-        Coordinator,
-        RoundFailed,
-        RoundSettings,
-    )
-    from broker_coordinator.engine.selection import select
-    from broker_coordinator.simulation.in_memory import fold_round
-    from edge_agent.agent import local_settings
-    from edge_agent.training import train_locally
-    from edgefl_protocol import algorithms, codec, messages, signing
-    from models.architectures import build_model, set_weights
-    from models.datasets import Dataset
+    from bench import settings as bench_settings
+    from bench.algorithms import fleet_for
+    from bench.inmemory import InMemoryFederation
+    from broker_coordinator.settings.round_settings import RoundSettings
 
     torch.set_num_threads(1)
-    logging.getLogger("broker_coordinator").setLevel(os.environ.get("EDGEFL_BENCH_LOG", "ERROR"))  # counted, not printed
-    fed = headline()
-    # FedAvg with 2 fixed local epochs: the runtime's defaults when this benchmark was first run (issue 10);
-    # kept so that every cached row compares the same training
-    settings = RoundSettings(**{**MEASURED_WITH, **AGGREGATIONS[aggregation]})
+    logging.getLogger("broker_coordinator").setLevel(os.environ.get("EDGEFL_BENCH_LOG", "ERROR"))
+    fed = {HEADLINE: bench_settings.dirichlet05, SECOND: bench_settings.synthetic}[partition]()
+    fed.arch = ARCH.get(partition, fed.arch)
+    rs = RoundSettings(clients_per_round=fed.clients_per_round, round_timeout=ROUND_TIMEOUT, **FOLDS[fold])
     devices = [f"dev-{i:03d}" for i in range(len(fed.clients))]
-    keys = {d: signing.new_key() for d in devices}
-    test, root = fed.test, None
-    if settings.reference == "root":
-        test, root = fed.test.subset(np.arange(ROOT_FROM)), fed.test.subset(np.arange(ROOT_FROM, len(fed.test)))
-    coordinator = Coordinator("bench", fed.arch, test, settings, seed=seed, device_keys=keys, root_set=root)
-    algorithm = algorithms.get(settings.algorithm)
-    data = dict(zip(devices, fed.clients))
-    bad = attackers_of(fraction, devices, seed) if attack != "clean" else set()
-    states: dict[str, dict] = {d: {} for d in devices}
-    rng = random.Random(seed)
-    accuracy, clipped, started = [], 0, time.time()
+    fleet = fleet_for(len(fed.clients), seed)
+    sites = run.startswith("sites/")
+    attack, _, frac = run.removeprefix("sites/").partition("@")
+    bad = attackers_of(float(frac), devices, seed) if frac and attack != "compromised_site" else set()
+    keep = [i for i, d in enumerate(devices) if not (attack == "absent" and d in bad)]
+    plan = Attack(attack, bad, seed)
+    sim = InMemoryFederation(fed.arch, [fed.clients[i] for i in keep], fed.test, rs, seed, fed.clients_per_round,
+                             fleet=[fleet[i] for i in keep], data_of=plan.data_of, tamper=plan.tamper)
+    if attack == "absent":  # the remaining devices keep their names, so attackers_of means the same devices
+        sim.devices = [devices[i] for i in keep]
+        sim.data = dict(zip(sim.devices, sim.data.values()))
+        sim.keys = {d: k for d, k in zip(sim.devices, sim.keys.values())}
+        sim.classes = dict(zip(sim.devices, sim.classes.values()))
+        sim.states = {d: {} for d in sim.devices}
+        sim.coordinator.device_keys = dict(sim.keys)
+    in_sites = None
+    if sites:
+        from bench.attacks_sites import InSites
+        in_sites = InSites(sim, SITES, compromised=attack == "compromised_site")
+    plan.coordinator = sim.coordinator
+    started = time.time()
+    accuracy, sent, folded, honest, left_out, clipped = [], 0, 0, 0, 0, {}
     for round_no in range(1, rounds + 1):
-        cohort = select(settings.selection, devices, fed.clients_per_round, rng, {})
-        hp = settings.task_hparams(round_no)
-        rule_inputs = (coordinator.server_rule.broadcast(), coordinator.server_rule.broadcast_tensors())
-        deltas, samples = {}, {}
-        for device in cohort:
-            local = build_model(fed.arch)
-            set_weights(local, coordinator.weights)
-            rule = algorithm.client(hp, rule_inputs[0], states[device], rule_inputs[1])
-            shard = data[device]
-            if attack == "backdoor" and device in bad:
-                shard = Dataset(shard.x, np.full_like(shard.y, BACKDOOR_CLASS))
-            out = train_locally(local, shard, rule, local_settings(hp), zlib.crc32(f"{device}/{round_no}/{seed}".encode()))
-            deltas[device], samples[device] = (out.delta, out.metrics), out.num_samples
-        in_round = [d for d in cohort if d in bad]
-        shared = None
-        if attack == "colluding" and in_round:
-            names = list(deltas[in_round[0]][0])
-            shared = {n: -4.0 * np.mean([deltas[d][0][n] for d in in_round], axis=0) for n in names}
-        answers = {}
-        for device in cohort:
-            if attack == "absent" and device in bad:
-                continue
-            delta, metrics = deltas[device]
-            num_samples = samples[device]
-            if device in bad:
-                delta, num_samples = malicious(attack, delta, num_samples, shared)
-            ef = states[device].setdefault("codec", {})
-            encoded = codec.encode(delta, settings.codec, ef.get("residual"))
-            ef["residual"] = encoded.residual
-            update = messages.Update(device, round_no, coordinator.version, num_samples, metrics, encoded.body,
-                                     encoded.codec, encoded.specs, "bench", 1)
-            answers[device] = messages.encode_update(update, keys[device])
-        try:
-            record = fold_round(coordinator, answers, round_no)
-            accuracy.append(record.accuracy)
-            clipped += record.clipped.get("norm", 0)
-        except RoundFailed:
+        record = in_sites.round(round_no) if in_sites else sim.round(round_no)
+        if record is None:
             accuracy.append(accuracy[-1] if accuracy else 0.0)
-    return {"attack": attack, "fraction": fraction, "aggregation": aggregation, "seed": seed, "rounds": rounds,
-            "accuracy": accuracy, "final_accuracy": accuracy[-1], "attackers": sorted(bad),
-            "norm_clipped": clipped, "rejected": dict(coordinator.rejections),
-            "seconds": round(time.time() - started, 1)}
-
-
-def malicious(attack: str, delta: dict, num_samples: int, shared: dict | None) -> tuple[dict, int]:
-    if attack == "scaled":
-        return {n: 20.0 * a for n, a in delta.items()}, num_samples
-    if attack == "sign_flip":
-        return {n: -4.0 * a for n, a in delta.items()}, num_samples
-    if attack == "inflated_count":
-        return {n: -a for n, a in delta.items()}, 2**62
+            continue
+        accuracy.append(record.accuracy)
+        for kind, n in record.clipped.items():
+            clipped[kind] = clipped.get(kind, 0) + n
+        for device, metrics in record.devices.items():
+            if "/" in device or device.startswith("site "):  # a site's rows in a tree's record
+                continue
+            kept = "left_out" not in metrics
+            if device in bad:
+                folded += kept
+            else:
+                honest, left_out = honest + 1, left_out + (not kept)
+    sent = plan.sent
+    out = {"partition": partition, "run": run, "fold": fold, "seed": seed, "rounds": rounds,
+           "accuracy": accuracy, "final_accuracy": accuracy[-1], "attackers": sorted(bad),
+           "attacker_updates_sent": sent, "attacker_updates_folded": folded, "honest_updates": honest,
+           "honest_left_out": left_out, "clipped": clipped, "rejected": dict(sim.coordinator.rejections),
+           "seconds": round(time.time() - started, 1)}
+    if in_sites is not None:
+        out["forged_partials"] = in_sites.forged
     if attack == "backdoor":
-        return {n: 3.0 * a for n, a in delta.items()}, num_samples
-    if attack == "colluding":
-        assert shared is not None
-        return {n: shared[n].copy() for n in delta}, num_samples
-    raise ValueError(f"unknown attack {attack!r}")
+        out["attack_success"] = attack_success(sim)
+    return out
 
 
-def run_key(attack: str, fraction: float, aggregation: str, seed: int, rounds: int) -> str:
-    return f"{attack}@{fraction:g}__{aggregation}__s{seed}__r{rounds}"
+def attack_success(sim) -> float:
+    """Share of stamped test examples of classes 1-9 the final (served) model labels BACKDOOR_CLASS."""
+    import torch
+
+    test = sim.test
+    mask = test.y != BACKDOOR_CLASS
+    x = torch.from_numpy(stamp(test.x[mask]))
+    model = sim.coordinator.served_model
+    model.eval()
+    with torch.no_grad():
+        predicted = torch.cat([model(x[i:i + 256]).argmax(1) for i in range(0, len(x), 256)])
+    return float((predicted == BACKDOOR_CLASS).float().mean())
+
+
+def runs_of(partition: str, fold: str = "centered_clip") -> list[str]:
+    """The runs of a partition for a fold (the default fold runs them all; baselines `BASELINE_RUNS`)."""
+    if partition == SECOND:
+        out = ["clean", "absent@0.1", *[f"{a}@0.1" for a in SECOND_ATTACKS]]
+    else:
+        out = ["clean", *[f"absent@{f:g}" for f in FRACTIONS]]
+        out += [f"{a}@{f:g}" for f in FRACTIONS for a in ATTACKS]
+        out += ["sites/clean", "sites/compromised_site@0.25"]
+    return out if fold == "centered_clip" else [r for r in out if r in BASELINE_RUNS]
 
 
 def _job(args: tuple) -> str:
-    attack, fraction, aggregation, seed, rounds = args
     path = RUNS / f"{run_key(*args)}.json"
     if path.exists():
         return f"cached {path.name}"
-    result = run_one(attack, fraction, aggregation, seed, rounds)
+    from bench import provenance
+    result = run_one(*args)
+    result["commit"], result["command"] = provenance.commit(), provenance.invoked()
     RUNS.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
@@ -188,94 +249,40 @@ def _job(args: tuple) -> str:
     return f"{path.name}: final {100 * result['final_accuracy']:.2f}% in {result['seconds']:.0f} s"
 
 
-def plan(rounds: int, seed: int, aggregations: list[str], attacks: list[str]) -> list[tuple]:
-    # the default first, so a partial run answers the issue's question soonest
-    aggregations = sorted(aggregations, key=lambda a: a != "default")
-    jobs = [("clean", 0.0, a, seed, rounds) for a in aggregations]
-    for aggregation in aggregations:
-        for fraction in FRACTIONS:
-            for attack in attacks:
-                jobs.append((attack, fraction, aggregation, seed, rounds))
-    return jobs
-
-
-def report(rounds: int, seed: int) -> dict:
-    runs = {}
-    for path in sorted(RUNS.glob(f"*__s{seed}__r{rounds}.json")):
-        r = json.loads(path.read_text())
-        runs[(r["attack"], r["fraction"], r["aggregation"])] = r
-    clean = runs.get(("clean", 0.0, "default"))
-    out = {"clean": clean["final_accuracy"] if clean else None, "default_aggregator": "default",
-           "default_settings": "weighting=capped (2x median), norm_bound=1.5x median of recent norms, gated_mean",
-           "clean_by_aggregator": {a: r["final_accuracy"] for (k, _, a), r in runs.items() if k == "clean"},
-           "runs": {}, "setup": {"partition": "bench/data mnist5k_dir01_20clients", "clients_per_round": 10,
-                                 "rounds": rounds, "seed": seed, "codec": "default (topk0.1+q4c64+zlib)"}}
-    for (attack, fraction, aggregation), r in sorted(runs.items()):
-        if attack != "clean":
-            out["runs"].setdefault(f"{attack}@{fraction:g}", {})[aggregation] = r["final_accuracy"]
-    from broker_coordinator.settings.round_settings import RoundSettings
-    shared = {k: v for k, v in provenance.deciding(RoundSettings(**MEASURED_WITH)).items()
-              if k not in ("aggregator", "weighting", "norm_bound")}
-    out["measured_with"] = provenance.measured_with(
-        provenance.invoked(), shared, varies={"aggregation": {name: provenance.deciding(
-            RoundSettings(**{**MEASURED_WITH, **overrides})) for name, overrides in AGGREGATIONS.items()}},
-        data="mnist5k", partition="bench/data/mnist5k_dir01_20clients.npz", seeds=[seed],
-        note="in process through Coordinator.fold_round (no broker); runs cached in bench/results/attacks_runs/")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "attacks.json").write_text(json.dumps(out, indent=2) + "\n")
-    (RESULTS / "attacks.md").write_text(markdown(out))
-    return out
-
-
-def markdown(out: dict) -> str:
-    aggs = list(AGGREGATIONS)
-    clean = out["clean_by_aggregator"]
-    lines = [f"# Attacks: final accuracy (%) after {out['setup']['rounds']} rounds, seed {out['setup']['seed']}", "",
-             "Written by `python -m bench.attacks`. Headline partition, 10 of 20 clients per round, default codec; "
-             "the attack's fraction of the 20 devices are malicious (signed, well-formed updates).", "",
-             "| attack | " + " | ".join(aggs) + " |", "|---|" + "---:|" * len(aggs),
-             "| clean | " + " | ".join(f"{100 * clean[a]:.2f}" if a in clean else "-" for a in aggs) + " |"]
-    base = out["clean"]
-    for key, row in out["runs"].items():
-        cells = []
-        for a in aggs:
-            if a not in row:
-                cells.append("-")
-                continue
-            drop = f" ({100 * (row[a] - base):+.1f})" if base is not None and a == "default" else ""
-            cells.append(f"{100 * row[a]:.2f}{drop}")
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    lines += ["", "In brackets: the default's difference from its own clean run, in points. Targets: within 2 points "
-              "at 10% malicious devices, within 5 at 30%."]
-    return "\n".join(lines) + "\n"
+def plan(rounds: int, folds: list[str], seeds: tuple[int, ...], partitions: list[str]) -> list[tuple]:
+    """Jobs, the default fold first and seed 1 first, so a partial grid answers the issue soonest."""
+    return [(partition, run, fold, seed, SECOND_ROUNDS if partition == SECOND else rounds)
+            for fold in sorted(folds, key=lambda f: f != "centered_clip")
+            for seed in seeds for partition in partitions for run in runs_of(partition, fold)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.attacks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
-    parser.add_argument("--only", default="", help="comma-separated aggregations to run (default: all)")
-    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks")
-    parser.add_argument("--quick", action="store_true", help="5 rounds, default aggregation, two attacks")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (one torch thread each)")
+    parser.add_argument("--folds", default=",".join(FOLDS), help="comma-separated folds (rows)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds, 3 runs, seed 1: a smoke run")
     parser.add_argument("--report", action="store_true", help="only rebuild the files from cached runs")
     args = parser.parse_args(argv)
-    rounds = 5 if args.quick else args.rounds
-    aggregations = ["default"] if args.quick else [a for a in (args.only.split(",") if args.only else AGGREGATIONS)]
-    attacks = ["sign_flip", "inflated_count"] if args.quick else args.attacks.split(",")
-    unknown = set(aggregations) - set(AGGREGATIONS) | set(attacks) - set(ATTACKS)
-    if unknown:
-        parser.error(f"unknown: {', '.join(sorted(unknown))}")
+    folds = args.folds.split(",")
+    if set(folds) - set(FOLDS):
+        parser.error(f"unknown folds: {', '.join(sorted(set(folds) - set(FOLDS)))}; known: {', '.join(FOLDS)}")
+    if args.quick:
+        jobs = [(HEADLINE, run, "centered_clip", 1, 3) for run in ("clean", "backdoor@0.2", "sites/compromised_site@0.25")]
+        for line in map(_job, jobs):
+            print(line, flush=True)
+        return 0
+    jobs = plan(args.rounds, folds, SEEDS, [HEADLINE, SECOND])
     if not args.report:
-        jobs = plan(rounds, args.seed, aggregations, attacks)
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            for line in pool.imap_unordered(_job, jobs):
-                print(line, flush=True)
-    out = report(rounds, args.seed)
+        if args.jobs > 1:
+            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+                for line in pool.imap_unordered(_job, jobs):
+                    print(line, flush=True)
+        else:
+            for job in jobs:
+                print(_job(job), flush=True)
+    report(jobs, folds)
     print((RESULTS / "attacks.md").read_text())
-    drops = [out["clean"] - v["default"] for v in out["runs"].values() if "default" in v]
-    if out["clean"] is not None and drops:
-        print(f"default: median drop {100 * statistics.median(drops):.2f} points, worst {100 * max(drops):.2f}")
     return 0
 
 

@@ -150,7 +150,6 @@ DERIVED = {  # numbers the docs quote that the files hold only in parts
     "headline_mean/dynsam": lambda d: headline_mean(d, "dynsam"),
     "headline_vs/dynsam/fedavg": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedavg"),
     "headline_vs/dynsam/fedsmoo": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedsmoo"),
-    "clean_minus_sign_flip@0.1": lambda d: d["clean"] - d["runs"]["sign_flip@0.1"]["default"],
 }
 SECTIONS = {"README.md": "## Measured", "docs/OPERATOR.md": "## Running on a real fleet: what to expect"}
 

@@ -24,7 +24,7 @@ from broker_coordinator.aggregation.partials import (
     encode_site_task,
 )
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
-from broker_coordinator.engine.site_aggregator import SiteWorker
+from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from broker_coordinator.simulation.local_sites import LocalSites
@@ -196,6 +196,61 @@ def test_partials_are_validated_like_updates(digits):
     assert tree.rejections["stale"] == 1 and not rnd_tree.answered
 
 
+def _tree_round(digits, forge: bool, seed: int = 7):
+    """One round of 4 sites of 3 devices (default fold and bounds, fedavg), the last site's aggregator
+    compromised when `forge`: it sends a forged, correctly signed partial. Returns the aggregate step."""
+    settings = RoundSettings(algorithm="fedavg", codec="float32", round_timeout=60)
+    where = fleet({"north": 3, "south": 3, "east": 3, "west": 3})
+    keys = {d: signing.new_key() for d in where}
+    site_keys = {s: signing.new_key() for s in ("north", "south", "east", "west")}
+    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+                           sites={s: SiteSpec(1, k, devices=3) for s, k in site_keys.items()})
+    rng = np.random.default_rng(seed)
+    step = {n: (0.05 * rng.standard_normal(shape)).astype(np.float32) for n, shape in tree.specs.items()}
+    tree.center = {n: a.copy() for n, a in step.items()}  # the last applied step
+    before = {n: a.copy() for n, a in tree.weights.items()}
+    task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
+    site_task = SiteTask(1, 1, 3, messages.encode("task", task), site_rules(settings), *encode_center(step))
+    partials = []
+    for site in site_keys:
+        worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
+        rnd = worker._open(site_task, task, {d for d, s in where.items() if s == site})
+        for device in sorted(d for d, s in where.items() if s == site):
+            delta = {n: (a + 0.02 * rng.standard_normal(a.shape)).astype(np.float32) for n, a in step.items()}
+            encoded = codec.encode(delta, "float32")
+            update = messages.Update(device, 1, 0, 100, {"steps": 5}, encoded.body, encoded.codec, encoded.specs,
+                                     FED, 1)
+            worker._on_update(rnd, device, messages.encode_update(update, keys[device]), time.time())
+        partial = worker.partial(rnd)
+        assert partial.count == 3
+        if forge and site == "west":  # its mean step -10x, its weight 100x, claiming 50 devices
+            sums = codec.decode("float32", partial.specs, partial.body, None, 1 << 24)
+            encoded = codec.encode({n: -1000.0 * a for n, a in sums.items()}, "float32")
+            partial.specs, partial.body = encoded.specs, encoded.body
+            partial.total_weight *= 100
+            partial.weighted_steps *= 100
+            partial.count = 50
+        partials.append((site, encode_partial(partial, site_keys[site])))
+    record = fold_partials(tree, {s: 3 for s in site_keys}, partials)
+    assert not forge or 0 < tree.site_standing["west"] < 1  # its next partials weigh less still
+    return {n: tree.weights[n] - before[n] for n in before}, record
+
+
+def test_a_compromised_site_moves_the_model_at_most_by_its_share(digits, caplog):
+    """A site is one more device of the centre: a forged partial, correctly signed, is counted for at most
+    the site's devices, weighed against the other sites' per-device weight, and its mean step clipped to
+    the other sites' distance from the centre, so it moves the model no further than its share."""
+    clean, _ = _tree_round(digits, forge=False)
+    with caplog.at_level("WARNING", logger="broker_coordinator"):
+        forged, record = _tree_round(digits, forge=True)
+    honest_step = np.sqrt(sum(float(np.sum(np.square(a))) for a in clean.values()))
+    moved = np.sqrt(sum(float(np.sum(np.square(forged[n] - clean[n]))) for n in clean))
+    assert moved < 0.25 * honest_step, f"the forged partial moved the model {moved / honest_step:.2f}x an honest step"
+    assert record.participants == 12  # the claimed 50 updates count as the site's 3
+    assert record.clipped.get("site_count") == 1 and record.clipped.get("site_center") == 1
+    assert "partial from site west" in caplog.text
+
+
 class PublishedTo:
     """A site worker's session that records what it would publish (no broker)."""
 
@@ -285,7 +340,7 @@ class Device:
         self.client.publish(topics.status(FED, name), messages.encode("status", messages.Status(name, "online")),
                             qos=1, retain=True).wait_for_publish(5)
 
-    def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
+    def _on_message(self, client, userdata, msg) -> None:
         try:
             if topics.parse_model_topic(msg.topic) is not None:
                 self.models.append(msg.topic)
@@ -413,7 +468,7 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
         wait_until(lambda: ("edgefl/field/model/7", b"manifest") in worker.messages, 15, "the model at the site")
         south.client.publish("edgefl/field/site/north/partial", b"forged", qos=1).wait_for_publish(5)
         worker.client.publish("edgefl/field/site/north/partial", b"partial", qos=1).wait_for_publish(5)
-        partials = lambda: [m for m in central.messages if m[0].endswith("/partial")]  # noqa: E731
+        partials = lambda: [m for m in central.messages if m[0].endswith("/partial")]
         wait_until(partials, 10, "the site's partial at the central broker")
         time.sleep(0.5)
         assert partials() == [("edgefl/field/site/north/partial", b"partial")]

@@ -7,8 +7,12 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.robust import RobustRound, trimmed_mean
-from broker_coordinator.aggregation.trust import NormBound, SampleWeights
+from broker_coordinator.aggregation.robust import (
+    OUTLIER_SHARE,
+    RobustRound,
+    trimmed_mean,
+)
+from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
 
 SPECS = {"w": (4,)}
 
@@ -82,6 +86,34 @@ def test_a_device_sending_zeros_round_after_round_cannot_collapse_the_bound():
     assert len(bound.history) == 6
 
 
+@pytest.mark.parametrize("aggregator", ["mean", "centered_clip"])
+def test_a_history_of_zeros_neither_freezes_the_federation_nor_lets_the_bounded_pull_the_bound_up(aggregator):
+    """Issue 20: 46 rounds of zero deltas left the history at median 0 and every later honest update was
+    clipped to nothing, for good (the recorded norms were the clipped ones). Now honest entries grow back
+    by at most GROWTH per record, so the bound (and centered_clip's radius) recovers in a few rounds."""
+    zeros = {"by_device": {f"d{i}": 0.0 for i in range(10)}}
+    bound, radius = NormBound(multiplier=1.5), NormBound(multiplier=1.5)
+    bound.load_state(zeros)
+    radius.load_state(zeros)
+    center = {"w": np.zeros(4, np.float32)} if aggregator == "centered_clip" else None
+    honest = {"w": np.full(4, 0.2, np.float32)}  # norm 0.4, distance 0.4 from the centre
+    means = []
+    for _ in range(12):
+        rnd = RobustRound(SPECS, bound, aggregator, center=center, radius=radius)
+        for i in range(10):
+            rnd.add(f"d{i}", honest, 1.0)
+        means.append(float(rnd.mean()["w"][0]))
+    assert means[0] > 0  # never clipped to nothing
+    assert means[-1] == pytest.approx(0.2) and not rnd.clipped and not rnd.centered  # recovered
+    # one device's entry rises by at most GROWTH per record: a huge claim cannot drag the bound up
+    bound = NormBound(multiplier=1.5)
+    for i in range(9):
+        bound.record(1.0, f"h{i}")
+    for _ in range(3):
+        bound.observe(1e6, "liar", bound.bound())
+    assert bound.by_device["liar"] == pytest.approx(1.5 * GROWTH ** 2) and bound.bound() == pytest.approx(1.5)
+
+
 def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre():
     center = {"w": np.full(4, 0.5, np.float32)}
     radius = NormBound(multiplier=1.5, warmup=3)
@@ -96,8 +128,9 @@ def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre(
     # the radius: 1.5 x the median distance of earlier rounds, fixed for the round
     assert distance == pytest.approx(2.0) and tau == pytest.approx(1.5 * 0.2)
     pulled = 0.5 - tau / 2  # c + tau * unit(delta - c): each of 4 coordinates moves tau / 2
-    assert np.allclose(rnd.mean()["w"], (4 * 0.55 + pulled) / 5, atol=1e-6)
-    assert set(rnd.centered) == {"attacker"}
+    share = OUTLIER_SHARE / (1 - OUTLIER_SHARE) * 4  # what is left of its weight 1: the clipped hold 10%
+    assert np.allclose(rnd.mean()["w"], (4 * 0.55 + share * pulled) / (4 + share), atol=1e-6)
+    assert set(rnd.centered) == {"attacker"} and rnd.outlier_scale == pytest.approx(share)
 
 
 @pytest.mark.parametrize("aggregator", ["trimmed_mean", "median"])
@@ -256,3 +289,64 @@ def test_rollback_from_the_command_line_and_refused_while_the_coordinator_runs(t
     assert done.returncode == 0, done.stderr
     assert "rolled back from round 3 to round 2" in done.stdout and "version 4" in done.stdout
     assert Store(state).load_checkpoint().round == 2
+
+
+def _round_with_one_attacker(n: int, attack: str, seed: int) -> float:
+    """Distance of a centered_clip aggregate from the mean of its n - 1 honest updates."""
+    rng = np.random.default_rng(seed)
+    size = 64
+    step = rng.standard_normal(size).astype(np.float32)
+    step /= np.linalg.norm(step)  # the last applied step: the round's centre
+
+    def honest_update():
+        return (step + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    bound, radius = NormBound(1.5), NormBound(1.5)
+    for i in range(20):  # earlier rounds' honest norms and distances from their centre
+        h = honest_update()
+        bound.record(float(np.linalg.norm(h)), f"old-{i}")
+        radius.record(float(np.linalg.norm(h - step)), f"old-{i}")
+    rnd = RobustRound({"w": (size,)}, bound, "centered_clip", center={"w": step}, radius=radius)
+    honest = [honest_update() for _ in range(n - 1)]
+    for i, h in enumerate(honest):
+        rnd.add(f"h{i}", {"w": h}, 1.0)
+    if attack == "reversed":  # the global step reversed, scaled to just under the norm bound
+        bad = -0.99 * bound.bound() * step
+    else:  # a random delta of norm 1e6
+        bad = rng.standard_normal(size)
+        bad *= 1e6 / np.linalg.norm(bad)
+    rnd.add("attacker", {"w": bad.astype(np.float32)}, 1.0)
+    assert "attacker" in rnd.centered
+    return float(np.linalg.norm(rnd.mean()["w"] - np.mean(honest, axis=0)))
+
+
+@pytest.mark.parametrize("attack", ["reversed", "random"])
+def test_a_round_of_4_is_defended_as_well_as_a_round_of_10(attack):
+    """Issue 20: one attacker of 4 held a quarter of the round's weight, so it pulled the aggregate 2.6x
+    as far from the honest mean as one of 10. The radius-clipped updates now share at most
+    OUTLIER_SHARE of a round's weight."""
+    four = np.mean([_round_with_one_attacker(4, attack, s) for s in range(20)])
+    ten = np.mean([_round_with_one_attacker(10, attack, s) for s in range(20)])
+    assert four <= 1.2 * ten, f"a round of 4 ends {four / ten:.2f}x as far from its honest mean as a round of 10"
+
+
+def test_a_device_the_radius_keeps_clipping_fades_and_an_honest_outlier_recovers():
+    center = {"w": np.full(4, 0.5, np.float32)}
+    radius = NormBound(multiplier=1.5)
+    for i in range(9):
+        radius.record(0.2, f"h{i}")
+    shares = []
+    for round_no in range(4):
+        rnd = RobustRound(SPECS, NormBound(multiplier=0), "centered_clip", center=center, radius=radius)
+        for i in range(9):
+            rnd.add(f"h{i}", {"w": np.full(4, 0.55, np.float32)}, 1.0)
+        rnd.add("attacker", {"w": np.full(4, -0.5, np.float32)}, 1.0)  # distance 2.0, radius 0.3: 0.15 a round
+        once = np.full(4, -0.5 if round_no == 0 else 0.55, np.float32)  # clipped in the first round only
+        rnd.add("once", {"w": once}, 1.0)
+        rnd.mean()
+        shares.append(rnd.discounted.get("attacker", 1.0))
+    assert shares == pytest.approx([1.0, 0.15, 0.05, 0.05])  # 0.15 x 0.15 is below MIN_STANDING
+    assert "once" not in radius.standing  # 0.15, then x2 per update inside: 0.3, 0.6, 1
+    again = NormBound()
+    again.load_state(radius.state())
+    assert again.standing == radius.standing

@@ -15,10 +15,14 @@ Sample weights (`RoundSettings.weighting`):
 - `reported`: the device's own count (FedAvg as published; trusts devices).
 
 Update size (`RoundSettings.norm_bound`): each delta is scaled down to at most
-`norm_bound` times the median L2 norm of the last `window` accepted deltas
-(the recorded norms are the clipped ones, so the history cannot be pulled up
-by the updates it bounds). Until `warmup` norms are known the round holds its
-updates and clips them with the bound of what it has seen (see `robust`).
+`norm_bound` times the median L2 norm of the latest accepted deltas, one per
+device of the last `window` heard from. What a device's entry records is its
+norm, but at most the larger of the bound it was judged by and `GROWTH` times
+its own previous entry (and never less than `FLOOR`): the updates being
+bounded cannot pull the bound up faster than that, and no history (a run of
+zero or tiny deltas included) can hold it down, because honest entries grow
+back by `GROWTH` per record. Until `warmup` norms are known the round holds
+its updates and clips them with the bound of what it has seen (see `robust`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from typing import Any
 from broker_coordinator.settings.choices import WEIGHTINGS
 
 MIN_KNOWN = 3  # devices with a trusted count before counts are used as weights
+GROWTH = 2.0  # a device's recorded norm may exceed the bound it was judged by only up to this times its last
+MIN_STANDING = 0.05  # centered_clip: the least share of its weight a device keeps, however often it is clipped
+FLOOR = 1e-3  # L2 norm: no bound goes below multiplier x FLOOR, and a record starts at least from it
 
 
 @dataclass
@@ -82,14 +89,19 @@ class SampleWeights:
 class NormBound:
     """An adaptive bound on the L2 norm of accepted deltas: `multiplier` x the median of recent ones.
 
-    The history keeps one norm per device (its latest, clipped), for the last `window` devices
-    heard from: a device that keeps sending zeros (or tiny deltas) holds one entry, so it cannot
-    pull the median, and with it every honest device's bound, down to nothing; and a device that
-    stops doing so moves its entry back up at its next honest update."""
+    The history keeps one norm per device (its latest, bounded: see `observe`), for the last
+    `window` devices heard from: a device that keeps sending zeros (or tiny deltas) holds one entry,
+    so it cannot pull the median, and with it every honest device's bound, down to nothing. Should
+    a majority ever do so (or a checkpoint hold such a history), the bound stays at least
+    `multiplier x FLOOR`, and each honest update raises its device's entry by up to `GROWTH`x, so
+    the bound climbs back within a few rounds."""
 
     def __init__(self, multiplier: float = 1.5, window: int = 100, warmup: int = 5) -> None:
         self.multiplier, self.warmup, self.window = multiplier, warmup, window
         self.by_device: OrderedDict[str, float] = OrderedDict()
+        # centered_clip's radius: device -> the share of its weight it keeps, lowered each time the radius
+        # clips it (by radius / distance) and raised again (x GROWTH, up to 1) by each update inside it
+        self.standing: dict[str, float] = {}
         self._anonymous = 0
 
     @property
@@ -105,7 +117,16 @@ class NormBound:
         norms = self.history + list(extra or [])
         if not self.enabled or not norms or (len(norms) < self.warmup and extra is None):
             return None
-        return self.multiplier * statistics.median(norms)
+        return self.multiplier * max(statistics.median(norms), FLOOR)
+
+    def observe(self, norm: float, device: str, bound: float | None) -> float:
+        """Record an accepted delta's `norm`, judged by `bound` (None: none yet); returns what was
+        recorded: min(norm, max(bound, GROWTH x the device's last entry, FLOOR))."""
+        if bound is not None:
+            last = self.by_device.get(device, 0.0) if device else 0.0
+            norm = min(norm, max(bound, GROWTH * last, FLOOR))
+        self.record(norm, device)
+        return norm
 
     def record(self, norm: float, device: str = "") -> None:
         if not device:  # no identity (tests, old checkpoints): each norm its own entry
@@ -114,10 +135,20 @@ class NormBound:
         self.by_device.pop(device, None)
         self.by_device[device] = float(norm)
         while len(self.by_device) > self.window:
-            self.by_device.popitem(last=False)
+            gone, _ = self.by_device.popitem(last=False)
+            self.standing.pop(gone, None)
+
+    def stand(self, device: str, fraction: float) -> None:
+        """A device judged at `fraction` (radius / distance; 1 inside the radius) of what it claimed."""
+        standing = self.standing.get(device, 1.0)
+        standing = standing * fraction if fraction < 1 else min(1.0, standing * GROWTH)
+        if standing < 1:
+            self.standing[device] = max(standing, MIN_STANDING)
+        else:
+            self.standing.pop(device, None)
 
     def state(self) -> dict[str, Any]:
-        return {"by_device": dict(self.by_device)}
+        return {"by_device": dict(self.by_device), "standing": dict(self.standing)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.by_device.clear()
@@ -126,3 +157,4 @@ class NormBound:
             self.record(float(norm), str(device))
         for norm in state.get("history") or []:  # a checkpoint from before per-device entries
             self.record(float(norm))
+        self.standing = {str(d): float(v) for d, v in (state.get("standing") or {}).items()}

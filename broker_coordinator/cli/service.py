@@ -93,6 +93,9 @@ def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # n
 
     def refresh_keys() -> None:  # signed updates: the enrolled devices' keys (over any by hand), swapped in whole
         coordinator.device_keys = {**by_hand, **registry.signing_keys(config.federation.name)}
+        for name, spec in getattr(coordinator, "sites", {}).items():  # a site's partial counts at most its devices
+            spec.devices = sum(config.sites[name].holds(d.name) for d in registry.devices(config.federation.name)
+                               if d.state != "revoked")
 
     refresh_keys()
     desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())

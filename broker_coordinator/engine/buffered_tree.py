@@ -87,7 +87,7 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
     def _open_buffer(self, round_no: int) -> Round:
         s = self.settings
         rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, self.population())
-        rnd.aggregate = DampedTreeSum(self._tree_sum())  # type: ignore[assignment]
+        rnd.aggregate = DampedTreeSum(self.tree_sum(round_no, {}))  # type: ignore[assignment]
         self.extras = rnd.aggregate.extras
         self.folded = set()
         self._set_state(rnd, RoundState.COLLECTING)

@@ -37,6 +37,7 @@ from broker_coordinator.aggregation.partials import (
     parse_site_topic,
     site_topic,
 )
+from broker_coordinator.aggregation.robust import OUTLIER_SHARE
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.site_aggregator import site_rules
@@ -63,6 +64,7 @@ def partial_cap(update_cap: int) -> int:
 class SiteSpec:
     workers: int
     key: bytes  # signs the site's partials
+    devices: int = 0  # the registry's count of the site's devices (0: unknown; the round's quota bounds it)
 
 
 def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
@@ -89,8 +91,24 @@ class TreeCoordinator(Coordinator):
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
         self.max_partial_bytes = partial_cap(self.max_update_bytes)
+        self.site_standing: dict[str, float] = {}  # site -> share of its weight it keeps (TreeSum; not checkpointed)
 
-    def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
+    def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum:
+        """The round's aggregate of partials, each site bounded as one more device of the centre (see
+        `TreeSum`): at most its quota (or the registry's count of its devices) of updates, a weight and a
+        length against the other sites'. With [privacy], the private sum of clipped sums instead, noised
+        once at the close (aggregation/private_partials.py: these bounds stay out of the private path)."""
+        if self.privacy:
+            return self.privacy.tree_fold(self.specs)
+        s = self.settings
+        allowed = {site: share.get(site) or spec.devices for site, spec in self.sites.items()}
+        return TreeSum(self.specs, s.normalize_steps, self.extra_specs, round_no=round_no, allowed=allowed,
+                       center=self.center if s.aggregator == "centered_clip" else None, weighting=s.weighting,
+                       weight_cap=s.weight_cap, norm_bound=s.norm_bound,
+                       outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None,
+                       standing=self.site_standing)
+
+    def _on_connect(self, client) -> None:
         self.inbox.put(("", b"reset-presence", time.time(), False))
         client.subscribe([(all_site_topics(self.fed, "status"), 1), (all_site_topics(self.fed, "partial"), 1)])
         for topic, payload in self._model_payloads:
@@ -151,7 +169,7 @@ class TreeCoordinator(Coordinator):
                                                      for site in self.eligible()})
         expected = {f"{site}/{w}" for site in share for w in range(self.sites[site].workers)}
         rnd = self._open_round(round_no, attempt, expected, deadline, self.population())
-        rnd.aggregate = self._tree_sum()  # type: ignore[assignment]
+        rnd.aggregate = self.tree_sum(round_no, share)  # type: ignore[assignment]
         rnd.train = not s.evaluation_only(round_no)
         self.extras = rnd.aggregate.extras
         if self.on_state:
@@ -187,13 +205,6 @@ class TreeCoordinator(Coordinator):
             self._set_state(rnd, RoundState.ABANDONED, f"{count} updates in {len(rnd.answered)} of {len(expected)} "
                                                        f"partials at the deadline, quorum is {s.min_updates}")
         return rnd
-
-    def _tree_sum(self) -> TreeSum:
-        """The round's aggregate of partials; with [privacy], of clipped sums, noised once at the close
-        (aggregation/private_partials.py: the robust bounds on partials stay out of the private path)."""
-        if self.privacy:
-            return self.privacy.tree_fold(self.specs)
-        return TreeSum(self.specs, self.settings.normalize_steps, self.extra_specs)
 
     def _eligible_devices(self) -> int:
         return sum(_count(self.online[site], "eligible") for site in self.eligible())

@@ -42,7 +42,7 @@ def fold_partials(tree: TreeCoordinator, shares: Mapping[str, int], payloads: li
     base_sha = model_sha256(tree.weights)
     expected = {f"{site}/{w}" for site in shares for w in range(tree.sites[site].workers)}
     rnd = tree._open_round(round_no, 1, expected, time.time() + tree.settings.round_timeout, sum(shares.values()))
-    rnd.aggregate = tree._tree_sum()  # type: ignore[assignment]
+    rnd.aggregate = tree.tree_sum(round_no, shares)  # type: ignore[assignment]
     tree.extras = rnd.aggregate.extras
     rnd.move(RoundState.COLLECTING)
     for site, payload in payloads:

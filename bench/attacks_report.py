@@ -1,0 +1,181 @@
+"""bench/results/attacks.json, attacks.md and attacks.png from the cached runs of `bench.attacks`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from . import provenance
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "attacks_runs"
+FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"}}  # name -> RoundSettings overrides
+HEADLINE = "mnist5k_dirichlet0.5_20clients"
+SECOND = "synthetic1,1_30clients"
+SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
+SITES = 4
+ROUND_TIMEOUT = 6.0  # the demo's deadline (bench/algorithms.py): it caps the device-chosen epochs
+
+
+def run_key(partition: str, run: str, fold: str, seed: int, rounds: int) -> str:
+    return f"{partition}__{run.replace('/', '-')}__{fold}__s{seed}__r{rounds}"
+
+DEFAULT_FOLD = "centered_clip"
+CUT = (f"the second partition ({SECOND}) runs clean, absent@0.1 and {', '.join(SECOND_ATTACKS)} at 10% only, "
+       "flat only; 10 rounds on the headline partition, with the MLP (not the issue's 25 with the CNN); sites only on the headline partition (clean and one "
+       "compromised site of 4)")
+
+
+def _cell(records: list[dict]) -> dict:
+    cell = {"final_accuracy": [r["final_accuracy"] for r in records],
+            "seeds": [r["seed"] for r in records],
+            "attacker_updates_folded": sum(r["attacker_updates_folded"] for r in records),
+            "attacker_updates_sent": sum(r["attacker_updates_sent"] for r in records),
+            "honest_left_out": (sum(r["honest_left_out"] for r in records)
+                                / max(1, sum(r["honest_updates"] for r in records)))}
+    if any("attack_success" in r for r in records):
+        cell["attack_success"] = [r.get("attack_success") for r in records]
+    if any("forged_partials" in r for r in records):
+        cell["forged_partials"] = sum(r.get("forged_partials", 0) for r in records)
+    cell["clipped"] = {k: sum(r["clipped"].get(k, 0) for r in records) for r in records for k in r["clipped"]}
+    return cell
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def targets(runs: dict) -> dict:
+    """The issue's targets, for the default fold, each with what was measured (points) and whether met."""
+    out = {}
+    head = runs.get(HEADLINE, {})
+    for key, cells in head.items():
+        attack, _, frac = key.partition("@")
+        if key.startswith(("sites/", "absent", "clean")) or DEFAULT_FOLD not in cells:
+            continue
+        absent = head.get(f"absent@{frac}", {}).get(DEFAULT_FOLD)
+        if not absent:
+            continue
+        worst = max(100 * (a - b) for a, b in zip(absent["final_accuracy"], cells[DEFAULT_FOLD]["final_accuracy"]))
+        limit = 1.0 if frac == "0.1" else 3.0
+        out[f"{key} within {limit:g} of absent"] = {"worst_points_below": round(worst, 2), "met": worst <= limit}
+        if attack == "backdoor":
+            success = max(cells[DEFAULT_FOLD]["attack_success"])
+            limit = 0.1 if frac == "0.1" else 0.2
+            out[f"{key} success <= {limit:g}"] = {"worst": round(success, 4), "met": success <= limit}
+    for partition in (HEADLINE, SECOND):
+        clean = runs.get(partition, {}).get("clean", {})
+        if DEFAULT_FOLD in clean and "mean" in clean:
+            gap = 100 * (_mean(clean["mean"]["final_accuracy"]) - _mean(clean[DEFAULT_FOLD]["final_accuracy"]))
+            out[f"{partition} clean within 0.5 of mean"] = {"points_below": round(gap, 2), "met": gap <= 0.5}
+            left = clean[DEFAULT_FOLD]["honest_left_out"]
+            out[f"{partition} clean honest left out <= 5%"] = {"fraction": left, "met": left <= 0.05}
+    site = head.get("sites/compromised_site@0.25", {}).get(DEFAULT_FOLD)
+    tree = head.get("sites/clean", {}).get(DEFAULT_FOLD)
+    if site and tree:
+        worst = max(100 * (a - b) for a, b in zip(tree["final_accuracy"], site["final_accuracy"]))
+        out["one compromised site of 4 within 2 of the clean tree"] = {"worst_points_below": round(worst, 2),
+                                                                      "met": worst <= 2.0}
+    return out
+
+
+def report(jobs: list[tuple], folds: list[str]) -> dict:
+    from broker_coordinator.settings.round_settings import RoundSettings
+
+    grouped: dict = {}
+    for job in jobs:
+        path = RUNS / f"{run_key(*job)}.json"
+        if path.exists():
+            partition, run, fold, _, _ = job
+            grouped.setdefault(partition, {}).setdefault(run, {}).setdefault(fold, []).append(
+                json.loads(path.read_text()))
+    runs = {p: {run: {fold: _cell(rs) for fold, rs in cells.items()} for run, cells in by_run.items()}
+            for p, by_run in grouped.items()}
+    commits = sorted({r["commit"] for by_run in grouped.values() for cells in by_run.values()
+                      for rs in cells.values() for r in rs})
+    settings = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in ("aggregator", "topology")}
+    out = {"measured_with": provenance.measured_with(
+        provenance.invoked(), settings, describes="defaults",
+        varies={"aggregator": [provenance.deciding(RoundSettings(**FOLDS[f]))["aggregator"] for f in folds],
+                "topology": ["flat", "sites"]},
+        run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),
+        rounds=sorted({j[4] for j in jobs}), clients_per_round=10, round_timeout=ROUND_TIMEOUT,
+        fleet="the demo's mix (bench/algorithms.py fleet_for)", sites=SITES, cut=CUT,
+        note="in process through bench/inmemory.py (the agent's training, codec, signing) and the shipped "
+             "intake and fold; sites through SiteWorker and fold_partials; no broker"),
+        "default_fold": DEFAULT_FOLD, "runs": runs}
+    out["targets"] = targets(runs)
+    head_clean = runs.get(HEADLINE, {}).get("clean", {}).get(DEFAULT_FOLD)
+    sign = runs.get(HEADLINE, {}).get("sign_flip@0.1", {}).get(DEFAULT_FOLD)
+    if head_clean and sign:  # what README quotes
+        out["clean_minus_sign_flip@0.1"] = _mean(head_clean["final_accuracy"]) - _mean(sign["final_accuracy"])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "attacks.json").write_text(json.dumps(out, indent=2) + "\n")
+    (RESULTS / "attacks.md").write_text(markdown(out, folds))
+    plot(out, folds)
+    return out
+
+
+def markdown(out: dict, folds: list[str]) -> str:
+    mw = out["measured_with"]
+    lines = [f"# Attacks on what ships: final accuracy (%), mean of seeds {mw['seeds']}", "",
+             (f"Written by `{mw['command']}` ({', '.join(mw['run_commits'])}). {mw['rounds']} rounds, 10 devices a "
+             f"round, dynsam with device-chosen epochs ({mw['round_timeout']:g} s deadline, demo fleet), the default "
+             "codec and every coordinator default but the fold. In brackets: against `absent` at the same fraction "
+             "(flat) or the clean tree (sites). folded/sent: the attackers' updates folded in / sent; "
+             "ASR: backdoor success on stamped test images of classes 1-9."), f"Cut to fit an hour: {CUT}.", ""]
+    for partition, by_run in out["runs"].items():
+        lines += [f"## {partition}", "", "| run | " + " | ".join(folds) + " |", "|---|" + "---:|" * len(folds)]
+        for run, cells in by_run.items():
+            frac = run.partition("@")[2]
+            base = by_run.get("sites/clean" if run.startswith("sites/") else f"absent@{frac}", {})
+            row = []
+            for fold in folds:
+                cell = cells.get(fold)
+                if cell is None:
+                    row.append("-")
+                    continue
+                acc = 100 * _mean(cell["final_accuracy"])
+                text = f"{acc:.2f}"
+                if fold in base and run not in ("clean", "sites/clean") and not run.startswith("absent"):
+                    text += f" ({acc - 100 * _mean(base[fold]['final_accuracy']):+.1f})"
+                if "attack_success" in cell:
+                    text += f", ASR {100 * _mean(cell['attack_success']):.1f}%"
+                if cell["attacker_updates_sent"]:
+                    text += f", {cell['attacker_updates_folded']}/{cell['attacker_updates_sent']}"
+                if cell["honest_left_out"]:
+                    text += f", {100 * cell['honest_left_out']:.1f}% honest left out"
+                row.append(text)
+            lines.append(f"| {run} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["## Targets (default fold, both seeds)", "", "| target | measured | met |", "|---|---:|---|"]
+    for name, t in out["targets"].items():
+        value = next(v for k, v in t.items() if k != "met")
+        lines.append(f"| {name} | {value} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: dict, folds: list[str]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    head = out["runs"].get(HEADLINE, {})
+    if not head:
+        return
+    names = list(head)
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(names)), 4.5))
+    width = 0.8 / len(folds)
+    for k, fold in enumerate(folds):
+        xs = [i + k * width for i, run in enumerate(names) if fold in head[run]]
+        ys = [100 * _mean(head[run][fold]["final_accuracy"]) for run in names if fold in head[run]]
+        ax.bar(xs, ys, width, label=fold)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("final accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{HEADLINE}: attacks on what ships (mean of seeds)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "attacks.png", dpi=110)
+    plt.close(fig)
