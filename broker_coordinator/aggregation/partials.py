@@ -287,7 +287,7 @@ class TreeSum:
         self.outlier_share = outlier_share
         self.standing = standing if standing is not None else {}  # site -> share of its weight it keeps (the tree's)
         self.discounted: dict[str, float] = {}  # "site S" -> the standing its weight was multiplied by
-        self.held: list[tuple[str, int, float, float, dict[str, np.ndarray]]] = []  # site, count, W, steps, sums
+        self.partials: list[tuple[str, int, float, float, dict[str, np.ndarray]]] = []  # site, count, W, steps, sums
         self.counted: Counter[str] = Counter()  # site -> devices counted so far this round
         self.clipped: dict[str, tuple[float, float]] = {}
         self.centered: dict[str, tuple[float, float]] = {}  # "site S" -> (distance, radius) of clipped partials
@@ -312,7 +312,7 @@ class TreeSum:
                 self.bounded["site_count"] += 1
         if count > 0 and partial.total_weight > 0:
             self.counted[site] += count
-            self.held.append((site, count, partial.total_weight, partial.weighted_steps,
+            self.partials.append((site, count, partial.total_weight, partial.weighted_steps,
                               {n: np.asarray(sums[n], dtype=np.float64) for n in self.stream.sums}))
         if self.extras is not None and partial.extras_count:
             extras = min(partial.extras_count, max(count, 1))
@@ -339,13 +339,13 @@ class TreeSum:
 
     def _fold(self) -> None:
         """The held partials, bounded (weight, then length), into the round's weighted sums."""
-        if not self.held:
+        if not self.partials:
             raise ValueError("no updates were folded in")
-        per_device = statistics.median_low(w / n for _, n, w, _, _ in self.held)
+        per_device = statistics.median_low(w / n for _, n, w, _, _ in self.partials)
         center = {n: np.asarray(self.center[n], dtype=np.float64) if self.center is not None else 0.0
                   for n in self.specs}
         rows = []
-        for site, n, w, steps, sums in self.held:
+        for site, n, w, steps, sums in self.partials:
             factor = (steps / w) if self.stream.normalize_steps else 1.0  # a partial's mean is factor * sums / w
             step = {name: a * (factor / w) for name, a in sums.items()}
             bounded = w if self.weighting == "reported" else min(w, n * self.weight_cap * per_device)
