@@ -162,7 +162,6 @@ def test_ledger_merge_keeps_the_larger_count():
     ('weighting = "reported"', "", "weighting reported is refused"),
     ('normalize_steps = true', "", "normalize_steps is refused"),
     ('algorithm = "dynsam"', "", 'algorithm = "dynsam" uses the devices'),
-    ('mode = "buffered"', "", "privacy central + mode buffered is refused (not built"),
     ("", "delta = 0.05\npopulation = 20", None),  # refused when the coordinator learns N (below)
     ("", 'sampling = "fixed"\naccountant = "pld"', "does not support"),
     ("", 'clip = -1.0', "clip must be"),

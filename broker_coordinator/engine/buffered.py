@@ -24,6 +24,9 @@ so receipts, the replay guard and the agent's bookkeeping work unchanged.
 Several versions are in flight at once: a release stays retained while a task
 that names it is outstanding and within S versions of the newest.
 
+With `[privacy] mode = "central"` each version is one private release (engine/private_rounds.py:
+rate 1, the fold over K) and a device gets no second task while it has an update in the buffer.
+
 Algorithms with a server dual (FedDyn's and FedSMOO's H, DynSAM with its dual) are refused at
 config load (`settings.composition`): fed damped, stale buffers the server's dual drifts from the
 devices' and the model lost accuracy version after version in the measurement.
@@ -114,6 +117,8 @@ class BufferedCoordinator(Coordinator):
         if not self._presence_settled:
             self._settle_presence()
         if self.buffer is None or self.buffer.number != round_no:
+            if self.privacy:
+                self.privacy.check_budget(round_no)  # raises BudgetSpent: no further version is built
             self.buffer = self._open_buffer(round_no)
         buffer = self.buffer
         patience = s.round_timeout * max(s.max_attempts, 1)
@@ -154,7 +159,8 @@ class BufferedCoordinator(Coordinator):
     def _dispatch(self, buffer: Round) -> None:
         """A task for every idle device without one (at most `clients_per_round` out at a time; 0 = no cap)."""
         s = self.settings
-        idle = [d for d in self.eligible() if d not in self.working]
+        # with [privacy], a device lands at most once in a buffer (its sensitivity stays C): no second task
+        idle = [d for d in self.eligible() if d not in self.working and not (self.privacy and d in buffer.answered)]
         room = (s.clients_per_round - len(self.working)) if s.clients_per_round else len(idle)
         if not idle or room <= 0:
             return
@@ -232,6 +238,9 @@ class BufferedCoordinator(Coordinator):
                                    f"arrived {_clock(arrived)}")
         if isinstance(answer, messages.Refusal):
             return
+        if self.privacy and current is not None and device in current.answered:
+            raise Rejected("duplicate", f"{device} already has an update in version {current.number}'s buffer "
+                                        "([privacy]: one update per device per version)")
         if answer.model_version != ticket.version:
             raise Rejected("stale", f"update was trained on model version {answer.model_version}, its task named "
                                     f"version {ticket.version}")

@@ -140,7 +140,9 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.released_sha: dict[int, str] = {}
         # [privacy] mode = "central": the private fold replaces the robust one (engine/private_rounds.py)
         self.privacy = PrivateRounds(settings.privacy, settings.privacy.population or len(self.device_keys),
-                                     settings.clients_per_round) if settings.privacy.on else None
+                                     settings.clients_per_round,
+                                     settings.buffer_size if settings.mode == "buffered" else 0) \
+            if settings.privacy.on else None
         if store:
             self._resume(store)
 

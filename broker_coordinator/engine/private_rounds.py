@@ -42,7 +42,13 @@ class BudgetSpent(RoundFailed):
 
 
 class PrivateRounds:
-    def __init__(self, settings: PrivacySettings, population: int, clients_per_round: int) -> None:
+    def __init__(self, settings: PrivacySettings, population: int, clients_per_round: int,
+                 buffer_size: int = 0) -> None:
+        """`buffer_size` K > 0: buffered mode. Who lands in a buffer depends on arrival times, not on
+        a sampling the accountant can model, so each version is accounted as a release in which
+        every device may take part (rate 1, no amplification by sampling); the fold divides by K,
+        and a device lands at most once in a buffer (`BufferedCoordinator`), so one device still
+        moves the pre-noise sum by at most C."""
         if population < 1:
             raise ValueError("[privacy] needs the number of devices a cohort is drawn from: set [privacy] "
                              "population = N (no enrolled devices are known yet)")
@@ -52,6 +58,12 @@ class PrivateRounds:
         self.accountant = Accountant(settings.accountant)
         self.ledger = Ledger(self.accountant, settings.delta)
         planned = Sampling(settings.sampling, population, self.cohort_size)
+        if buffer_size:
+            if settings.sampling != "poisson":
+                raise ValueError('[privacy] sampling = "fixed" describes a drawn cohort; buffered mode draws '
+                                 'none (each version is accounted at rate 1): set sampling = "poisson"')
+            self.cohort_size = buffer_size
+            planned = Sampling("poisson", population, population)  # rate 1: every device, every version
         self.z = settings.noise_multiplier or self.accountant.noise_for(
             planned, settings.planned_rounds, settings.target_epsilon, settings.delta)
         self.count_stddev = count_stddev(self.z, self.cohort_size, settings.clip_count_stddev) \

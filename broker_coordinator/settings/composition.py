@@ -90,12 +90,6 @@ RULES: tuple[Rule, ...] = (
          lambda s, t: _private(s) and bool(_reads_devices(s)),
          'algorithm = "fedavg", "fedprox" or "fedsam"',
          lambda s: f'algorithm = "{s.algorithm}" uses {_reads_devices(s)}'),
-    Rule('privacy central + mode buffered', "not built",
-         "who lands in a buffer depends on arrival times, not on a sampling the accountant can model (no "
-         "amplification by sampling), and a fast device can land twice in one buffer (sensitivity 2C); the "
-         "honest account, every version a full Gaussian release to every device, needs noise that stops "
-         "learning",
-         lambda s, t: _private(s) and s.mode == "buffered", 'mode = "sync"'),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,
