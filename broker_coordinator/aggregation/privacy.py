@@ -108,8 +108,8 @@ class PrivateRound:
             self.clipped[device] = (norm, self.clip)
         else:
             self.unclipped += 1
-        for name, acc in self.sums.items():
-            acc += np.asarray(delta[name], dtype=np.float64) * scale
+        for name, acc in self.sums.items():  # into the float64 sums without a float64 copy of the delta
+            acc += delta[name] if scale == 1.0 else delta[name] * np.float32(scale)
         self.count += 1
 
     def merge(self, sums: Mapping[str, np.ndarray], count: int, unclipped: int) -> None:
