@@ -63,9 +63,9 @@ def scale_settings(size: int) -> RoundSettings:
 
 # What the scale part's devices do differently from a real agent (written into measured_with and runtime.md)
 SWARM_DIFFERS = ("the swarm devices (bench/swarm.py) send one precomputed signed update of the MNIST CNN in the "
-                 "default codec, with the metrics a real dynsam agent sends, instead of training: no local epochs "
-                 "and no model download; the coordinator waits for all of them (min_updates = devices, "
-                 "round_timeout 600 s)")
+                 "default codec, with the metrics a real dynsam agent sends (but the model_sha of the release it "
+                 "trained on, which it never fetches), instead of training: no local epochs and no model download; "
+                 "the coordinator waits for all of them (min_updates = devices, round_timeout 600 s)")
 
 
 class RssSampler:

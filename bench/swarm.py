@@ -25,7 +25,7 @@ from edgefl_protocol.transport import make_client  # noqa: E402
 AGENT_METRICS = {"train_loss": 0.42, "epochs": 4, "steps": 16, "passes": 20, "train_seconds": 1.9,
                  "rho": 0.05, "alpha": 0.1, "sigma": 0.012, "gamma": 0.61,
                  "epochs_reason": "speed 900 samples/s", "bytes_down": 0, "bytes_down_join": 0,
-                 "model_sha": "0" * 16, "model_via": "cache"}
+                 "model_via": "cache"}  # no model_sha: the swarm never fetches the model it would name
 
 
 def main(spec_path: str) -> int:
