@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-quick, test-soak, attacks, fault-drill, scale, spool, pi-check, service-check.
+# field, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, pi-check, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
