@@ -135,25 +135,8 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
         factor = staleness_factor(self.settings.staleness_weight, staleness)
         current.aggregate.add_damped(partial, sums, factor)  # type: ignore[attr-defined]
         sender = f"{site}/{partial.worker}"
-        current.answered.add(sender)
-        current.rejected.update(partial.rejected)
-        current.bytes_up += partial.bytes_up
-        current.weights_clipped += partial.clipped.get("weight", 0)
-        current.device_metrics[sender] = {"updates": partial.count, "selected": partial.selected,
-                                          "refused": partial.refused, "bytes_up": partial.bytes_up,
-                                          "staleness": staleness, "staleness_factor": round(factor, 4)}
-        if partial.evaluation:
-            score, loss, n, devices = partial.evaluation
-            current.evaluations[sender] = (score / n, loss / n, int(n))
-            current.evaluated[sender] = partial.model_version
-            current.device_metrics[sender]["evaluated"] = int(devices)
-        for device, num_samples, metrics in partial.observed:
-            try:
-                self.server_rule.observe(device, num_samples, metrics)
-            except (ValueError, TypeError, KeyError) as exc:
-                log.warning("site %s: signals of %s not usable by %s: %s", site, device, self.algorithm.name, exc)
-        self.metrics.accepted.inc(partial.count)
-        self.metrics.bytes_up.inc(partial.bytes_up)
+        self._book_partial(current, site, sender, partial)
+        current.device_metrics[sender].update(staleness=staleness, staleness_factor=round(factor, 4))
         log.info("version %d: partial from worker %d of site %s: %d updates trained on version %d (staleness %d)",
                  current.number, partial.worker, site, partial.count, partial.model_version, staleness)
 

@@ -234,6 +234,13 @@ class TreeCoordinator(Coordinator):
             self._reject(who, exc.reason, exc.detail, current)
             return
         current.aggregate.add(partial, sums)
+        self._book_partial(current, site, sender, partial)
+        log.info("round %d: partial from worker %d of site %s: %d updates", current.number, partial.worker, site,
+                 partial.count)
+
+    def _book_partial(self, current: Round, site: str, sender: str, partial: Any) -> None:
+        """What a folded partial leaves in the round besides its sums: who answered, the sites'
+        rejections, bytes and bounds, its pooled evaluation, the signals the server rule reads."""
         current.answered.add(sender)
         current.rejected.update(partial.rejected)
         current.bytes_up += partial.bytes_up
@@ -243,6 +250,7 @@ class TreeCoordinator(Coordinator):
         if partial.evaluation:  # the site's pooled evaluation: its count-weighted means, federated_score's way
             score, loss, n, devices = partial.evaluation
             current.evaluations[sender] = (score / n, loss / n, int(n))
+            current.evaluated[sender] = partial.model_version
             current.device_metrics[sender]["evaluated"] = int(devices)
         for device, num_samples, metrics in partial.observed:
             try:
@@ -251,8 +259,6 @@ class TreeCoordinator(Coordinator):
                 log.warning("site %s: signals of %s not usable by %s: %s", site, device, self.algorithm.name, exc)
         self.metrics.accepted.inc(partial.count)
         self.metrics.bytes_up.inc(partial.bytes_up)
-        log.info("round %d: partial from worker %d of site %s: %d updates", current.number, partial.worker, site,
-                 partial.count)
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
