@@ -14,9 +14,9 @@ own process, so that its CPU time and RSS are its own.
     python -m bench.scale --quick              # 2,000 devices, 200 per round (a few minutes)
     python -m bench.scale --report             # rebuild scale.json / .md (bytes_per_client_round) from the last run
 
-Both topologies fold with aggregator "mean" (the tree refuses the others, see
-broker_coordinator/engine/site_aggregator.py) and algorithm fedavg, whose server rule keeps no
-per-device state (a rule that does, e.g. dynsam, adds one row per device to each partial).
+Both topologies fold with the default fold (`centered_clip`: at the sites, and at the centre over
+the sites' partials) and algorithm fedavg, whose server rule keeps no per-device state (a rule that
+does, e.g. dynsam, adds one row per device to each partial).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from bench.crowd import device_key  # noqa: E402
 from bench.runtime import RssSampler  # noqa: E402
+from broker_coordinator.settings.choices import DEFAULT_AGGREGATOR  # noqa: E402
 from bench import provenance  # noqa: E402
 from broker_coordinator.access.broker import COORDINATOR_USER  # noqa: E402
 from broker_coordinator.simulation.private_broker import PrivateBroker  # noqa: E402
@@ -223,8 +224,8 @@ def coordinator_main(args: argparse.Namespace) -> None:
     from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
     from models import datasets
     data = datasets.load("mnist5k")
-    settings = RoundSettings(algorithm="fedavg", aggregator="mean", round_timeout=args.timeout, min_updates=1,
-                             max_attempts=1)
+    settings = RoundSettings(algorithm="fedavg", round_timeout=args.timeout, min_updates=1,
+                             max_attempts=1)  # the default fold, at the sites and at the centre
     if args.topology == "flat":
         keys = {f"dev-{i:05d}": device_key(f"dev-{i:05d}") for i in range(args.devices)}
         coordinator = Coordinator(FED, "mnist_cnn", data.test, settings, device_keys=keys)
@@ -290,7 +291,7 @@ def report(flat: dict, tree: dict, args: argparse.Namespace, seconds: float) -> 
         "site_aggregator_cpu_s_per_update": tree.get("site_aggregator_cpu_s_per_update"),
         "peak_rss_mb": {"flat": flat["peak_rss_mb"], "tree": tree["peak_rss_mb"]},
         "details": {"flat": flat["phases"], "tree": tree["phases"]},
-        "settings": {"rounds_per_phase": args.rounds, "algorithm": "fedavg", "aggregator": "mean",
+        "settings": {"rounds_per_phase": args.rounds, "algorithm": "fedavg", "aggregator": DEFAULT_AGGREGATOR,
                      "devices_fetch_model": "flat: yes; tree: " + ("yes" if not args.tree_no_fetch else "no"),
                      "wall_seconds": round(seconds)},
     }
@@ -305,7 +306,8 @@ def markdown(out: dict) -> str:
     cpu = out["coordinator_cpu_s_per_update"]
     lines = ["# Scale: flat against sites (bench/scale.py)", "",
              f"{out['devices']} emulated devices, {out['participants']} per round, {out['sites']} sites, "
-             f"{out['settings']['rounds_per_phase']} rounds per row; fedavg, aggregator mean.", "",
+             f"{out['settings']['rounds_per_phase']} rounds per row; fedavg, aggregator "
+             f"{out['settings']['aggregator']}.", "",
              "| topology | participants | central MB in / round | central MB out / round | central MB / round | "
              "round s (median) | coordinator CPU ms / update | rejected |", "|---|---|---|---|---|---|---|---|"]
     for name in ("flat", "tree"):
@@ -393,8 +395,7 @@ def main() -> int:
     out = report(flat, tree, args, time.time() - started)
     from broker_coordinator.settings.round_settings import RoundSettings
     out["measured_with"] = provenance.measured_with(
-        provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg",
-                                                                                  aggregator="mean")).items()
+        provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg")).items()
                                if k not in ("topology", "local_epochs")},
         local_epochs="n/a: emulated devices send precomputed updates", varies={"topology": ["flat", "sites"]},
         data="n/a: no training", seeds="n/a")
