@@ -109,7 +109,7 @@ CLAIMS = [
     ("README.md", r"(\d+) of the\s+96 cells are refused", "composition_pairwise.json", "refused_count", 1, 0),
     ("README.md", r"as with 1,000 \(([\d.]+)x\)", "spool.json", "ratio_last_to_first", 1, 2),
     ("README.md", r"carries (\d+)x fewer bytes", "scale.json", "ratio_flat_over_tree", 1, 0),
-    ("README.md", r"the same \(\+(\d+)%\)", "scale.json", "tree_growth_low_to_high", 100, 0),
+    ("README.md", r"more\s+\(\+(\d+)%\) at 10,000", "scale.json", "tree_growth_low_to_high", 100, 0),
     ("README.md", r"final accuracy ([\d.]+)x sooner", "buffered.json", "speedup_median", 1, 1),
     ("README.md", r"takes (\d+)-\d+ KB", "downlink_controlled.json", "delta/down", KIB, 0),
     ("README.md", r"takes \d+-(\d+) KB", "downlink.json", "delta/down", KIB, 0),
