@@ -235,6 +235,32 @@ def runs_of(partition: str, fold: str = "centered_clip") -> list[str]:
     return out if fold == "centered_clip" else [r for r in out if r in BASELINE_RUNS]
 
 
+def run_measured_with(result: dict) -> dict:
+    """A cached run's `measured_with`: the commit and command it records, and the settings that
+    decide it (what `run_one` builds for its partition, run and fold)."""
+    from bench import provenance
+    from broker_coordinator.settings.round_settings import RoundSettings
+    settings = RoundSettings(clients_per_round=10, round_timeout=ROUND_TIMEOUT, **FOLDS[result["fold"]])
+    topology = "sites" if result["run"].startswith("sites/") else "flat"
+    return {"commit": result["commit"], "command": result["command"], **provenance.deciding(settings, topology),
+            "partition": result["partition"], "run": result["run"], "fold": result["fold"], "seed": result["seed"],
+            "rounds": result["rounds"], "arch": ARCH.get(result["partition"], "partition's own"),
+            "clients_per_round": 10, "round_timeout": ROUND_TIMEOUT, "transport": "in-memory (bench/inmemory.py)",
+            "rerun": "python -m bench.attacks (resumes from the cached runs)"}
+
+
+def stamp_cached() -> int:
+    """Give the cached runs written before runs carried a `measured_with` theirs (from what they record)."""
+    stamped = 0
+    for path in sorted(RUNS.glob("*.json")):
+        result = json.loads(path.read_text())
+        if "measured_with" not in result and "commit" in result:
+            result["measured_with"] = run_measured_with(result)
+            path.write_text(json.dumps(result))
+            stamped += 1
+    return stamped
+
+
 def _job(args: tuple) -> str:
     path = RUNS / f"{run_key(*args)}.json"
     if path.exists():
@@ -242,6 +268,7 @@ def _job(args: tuple) -> str:
     from bench import provenance
     result = run_one(*args)
     result["commit"], result["command"] = provenance.commit(), provenance.invoked()
+    result["measured_with"] = run_measured_with(result)
     RUNS.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
@@ -281,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for job in jobs:
                 print(_job(job), flush=True)
+    if stamped := stamp_cached():
+        print(f"{stamped} cached runs given their measured_with", flush=True)
     report(jobs, folds)
     print((RESULTS / "attacks.md").read_text())
     return 0

@@ -184,10 +184,3 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
             return super()._record(rnd, *args, **kwargs)
         finally:
             rnd.aggregate = damped
-
-    def _summary(self, buffer: Round) -> str:
-        stale = [m["staleness"] for m in buffer.device_metrics.values() if "staleness" in m]
-        dropped = buffer.rejected.get("too_stale", 0)
-        return (f"buffer of {buffer.aggregate.count} updates in {len(buffer.answered)} partials: staleness "
-                f"{min(stale, default=0)}-{max(stale, default=0)}, damping {buffer.aggregate.damping:.3f}"
-                + (f", {dropped} too stale dropped" if dropped else ""))
