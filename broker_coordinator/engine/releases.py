@@ -45,13 +45,14 @@ log = logging.getLogger("broker_coordinator")
 RELEASES_REMEMBERED = 64  # versions whose release hash intake checks updates against
 
 
-def newest_retained_version(session: Session, fed: str, timeout: float = 60.0) -> int | None:
+def newest_retained_version(session: Session, fed: str, timeout: float = 60.0, attempt_wait: float = 5.0) -> int | None:
     """The highest version with a retained manifest on the broker (None: none). Raises TimeoutError
-    when the broker does not echo the marker in time: starting anyway could reuse a version."""
+    when the broker does not echo the marker in time: starting anyway could reuse a version.
+
+    Each attempt subscribes afresh and sends a new marker: a packet lost to a reconnect (or to
+    paho's cross-thread writes) costs one attempt, not the whole timeout."""
     manifests = f"{topics.ROOT}/{fed}/model/+"
-    marker = f"{topics.ROOT}/{fed}/coordinator/marker/{os.getpid()}-{os.urandom(4).hex()}"
     versions: list[int] = []
-    done = threading.Event()
 
     def on_manifest(client, userdata, msg) -> None:  # noqa: ANN001 (paho's thread)
         version = msg.topic.rsplit("/", 1)[1]
@@ -59,16 +60,24 @@ def newest_retained_version(session: Session, fed: str, timeout: float = 60.0) -
             versions.append(int(version))
 
     client = session.client
+    deadline = time.monotonic() + timeout
+    answered = False
     client.message_callback_add(manifests, on_manifest)
-    client.message_callback_add(marker, lambda c, u, m: done.set())
     try:
-        client.subscribe([(manifests, 1), (marker, 1)])
-        client.publish(marker, b"", qos=1)
-        answered = done.wait(timeout)
+        while not answered and time.monotonic() < deadline:
+            session.connected.wait(max(0.0, min(attempt_wait, deadline - time.monotonic())))
+            marker = f"{topics.ROOT}/{fed}/coordinator/marker/{os.getpid()}-{os.urandom(4).hex()}"
+            done = threading.Event()
+            client.message_callback_add(marker, lambda c, u, m, done=done: done.set())
+            try:
+                client.subscribe([(manifests, 1), (marker, 1)])
+                client.publish(marker, b"", qos=1)
+                answered = done.wait(max(0.0, min(attempt_wait, deadline - time.monotonic())))
+            finally:
+                client.unsubscribe([manifests, marker])
+                client.message_callback_remove(marker)
     finally:
-        client.unsubscribe([manifests, marker])
         client.message_callback_remove(manifests)
-        client.message_callback_remove(marker)
     if not answered:
         raise TimeoutError(f"the broker did not answer within {timeout:.0f} s while the coordinator read the "
                            "retained model versions; is it overloaded?")
