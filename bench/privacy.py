@@ -20,14 +20,22 @@ bench/results/privacy.json (schema of issue 21) and privacy.md.
 Sized to the machine with flags (the defaults are the issue's: 40 rounds, 3 seeds, no caps); the
 results say what was cut: --rounds, --seeds, --synthetic-rounds, --synthetic-seeds, --cap (training
 samples per synthetic device), --test (synthetic test samples).
+
+Every (cohort, epsilon, seed) run is cached in bench/results/privacy_runs/<cohort>-<sizing>/ and
+never repeated; a process claims a run before it starts it, so two processes with the same flags
+share the work (one per core), and the one that finds every run done writes the result:
+
+    nice python -m bench.privacy --only 1000of10000 --cap 50 --test 3000 &   # twice: one per core
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +48,7 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from models import datasets
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = RESULTS / "privacy_runs"
 EPSILONS = ("1", "3", "8", "none")
 DELTA = 1e-5
 
@@ -140,22 +149,24 @@ def main(argv: list[str] | None = None) -> int:
         runs = {k: v for k, v in merged["runs"].items() if k != args.only}
     if args.only != "10of20":
         clients, test = synthetic(args.cap, args.test, args.synthetic_labels == "shared")
-        cohort = runs.setdefault("1000of10000", {})
-        for eps in EPSILONS:
-            per_seed = [run(f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
-                            settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, 0.05),
-                            args.synthetic_rounds, seed) for seed in range(args.synthetic_seeds)]
-            cohort[eps] = summarize(per_seed)
-            partial(args.out, runs)
+        sizing = f"r{args.synthetic_rounds}-cap{args.cap}-test{args.test}-{args.synthetic_labels}-clip{args.clip_initial:g}"
+        done = cached_runs(RUNS / f"1000of10000-{sizing}", args.synthetic_seeds, lambda eps, seed: run(
+            f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
+            settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, 0.05),
+            args.synthetic_rounds, seed))
+        if done is None:
+            return 0  # another process runs the rest and writes the result
+        runs["1000of10000"] = done
+        partial(args.out, runs)
     if args.only != "1000of10000":
         fed = headline()
-        cohort = runs.setdefault("10of20", {})
-        for eps in EPSILONS:
-            per_seed = [run(f"10of20 eps {eps}", fed.arch, fed.clients, fed.test,
-                            settings_for("fedavg", eps, 10, 20, args.rounds, args.clip_initial, 0.05),
-                            args.rounds, seed) for seed in range(args.seeds)]
-            cohort[eps] = summarize(per_seed)
-            partial(args.out, runs)
+        done = cached_runs(RUNS / f"10of20-r{args.rounds}-clip{args.clip_initial:g}", args.seeds, lambda eps, seed: run(
+            f"10of20 eps {eps}", fed.arch, fed.clients, fed.test,
+            settings_for("fedavg", eps, 10, 20, args.rounds, args.clip_initial, 0.05), args.rounds, seed))
+        if done is None:
+            return 0
+        runs["10of20"] = done
+        partial(args.out, runs)
     for flag, value, full in (("rounds", args.rounds, 40), ("seeds", args.seeds, 3),
                               ("synthetic_rounds", args.synthetic_rounds, 40),
                               ("synthetic_seeds", args.synthetic_seeds, 3)):
@@ -196,6 +207,51 @@ def combine(main: Path, other: Path, out: Path) -> int:
     out.with_suffix(".md").write_text(report(result))
     print(f"wrote {out} and {out.with_suffix('.md')}: {', '.join(added) or 'nothing'} from {other}")
     return 0
+
+
+def cached_runs(folder: Path, seeds: int, one_run: Callable[[str, int], dict]) -> dict | None:
+    """Each epsilon's summary over `seeds` seeds, every run cached in `folder`; None when runs that
+    another process claimed are still going (that process, finishing last, gets the whole set)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs = [(eps, seed) for seed in range(seeds) for eps in EPSILONS]  # seed 0 of every epsilon first
+    for eps, seed in jobs:
+        path = folder / f"eps{eps}-seed{seed}.json"
+        claim = path.with_suffix(".claim")
+        if path.exists():
+            continue
+        if not take_claim(claim):
+            continue  # another live process runs it
+        try:
+            result = one_run(eps, seed)
+            result["measured_with"] = {"commit": provenance.commit(), "command": provenance.invoked()}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            tmp.replace(path)
+        finally:
+            claim.unlink(missing_ok=True)
+    if any(not (folder / f"eps{eps}-seed{seed}.json").exists() for eps, seed in jobs):
+        print(f"runs still going in {folder}; the process that finishes last writes the result", flush=True)
+        return None
+    return {eps: summarize([json.loads((folder / f"eps{eps}-seed{seed}.json").read_text()) for seed in range(seeds)])
+            for eps in EPSILONS}
+
+
+def take_claim(claim: Path) -> bool:
+    """Create `claim` holding our pid; a claim whose process has died is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                os.kill(int(claim.read_text() or 0), 0)
+                return False
+            except (ProcessLookupError, ValueError, FileNotFoundError):
+                claim.unlink(missing_ok=True)  # its process is gone (killed mid-run)
+                continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
 
 
 def partial(out: Path, runs: dict) -> None:
