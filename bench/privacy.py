@@ -1,16 +1,17 @@
 """Final accuracy against epsilon (user-level central DP, docs/PRIVACY.md): `make privacy`.
 
-Two cohorts, each through the shipped engine with the in-memory transport (bench/inmemory.py: the
-coordinator's own intake, private fold, accountant and budget stop; real local training):
+Two cohorts through the shipped engine, with real local training:
 
-- `1000of10000`: FedProx Synthetic(1, 1) with 10,000 devices, 1,000 expected per round (Poisson
+- `1000of10000`, with the in-memory transport (bench/inmemory.py: the coordinator's own intake,
+  private fold, accountant and budget stop): FedProx Synthetic(1, 1) with 10,000 devices, 1,000 expected per round (Poisson
   sampling, q = 0.1), the 83,978-parameter `synthetic_mlp` on its 60 features, FedProx. Every
   device labels with one shared model (`--synthetic-labels shared`, the default: the devices'
   inputs still shift per device): with its own labelling model per device, as in FedProx's
   Synthetic, no global model learns 10,000 of them (trained on the pooled data of 400 devices it
   stays at chance, 12%, on held-out devices), and DP would look free because nothing learns;
 - `10of20`: the headline MNIST partition (bench/data, 20 devices), 10 per round (q = 0.5),
-  the 80,202-parameter `mnist_cnn`, FedAvg.
+  the 80,202-parameter `mnist_cnn`, FedAvg, through `broker-coordinator simulate` (a real Mosquitto
+  and 20 agent processes, `[rounds]` and `[privacy]` from a config file: bench/privacy_simulate.py).
 
 For each epsilon in {1, 3, 8} at delta 1e-5 the noise multiplier is computed for the rounds run
 (planned_rounds = rounds), with adaptive clipping; "none" is the same fold without privacy
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import inmemory, provenance
-from bench.settings import headline
+from bench.privacy_simulate import simulate_run
 from broker_coordinator.aggregation.accountant import Accountant, Sampling
 from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.round_settings import RoundSettings
@@ -159,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         runs["1000of10000"] = done
         partial(args.out, runs)
     if args.only != "1000of10000":
-        fed = headline()
-        done = cached_runs(RUNS / f"10of20-r{args.rounds}-clip{args.clip_initial:g}", args.seeds, lambda eps, seed: run(
-            f"10of20 eps {eps}", fed.arch, fed.clients, fed.test,
-            settings_for("fedavg", eps, 10, 20, args.rounds, args.clip_initial, 0.05), args.rounds, seed))
+        done = cached_runs(RUNS / f"10of20-simulate-r{args.rounds}-clip{args.clip_initial:g}", args.seeds,
+                           lambda eps, seed: simulate_run(eps, seed, args.rounds, args.clip_initial, DELTA))
         if done is None:
             return 0
         runs["10of20"] = done
@@ -182,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "measured_with": provenance.measured_with(provenance.invoked(), provenance.deciding(
             settings_for("fedprox", "8", 1000, 10_000, args.synthetic_rounds, args.clip_initial, 0.05)),
             delta=DELTA, sampling="poisson", clip="adaptive", clip_initial=args.clip_initial, local_epochs=1,
-            transport="in-memory (bench/inmemory.py)", cuts=cuts, wall_seconds=round(time.time() - started),
+            transport={"1000of10000": "in-memory (bench/inmemory.py)",
+                       "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),
             synthetic_labels=args.synthetic_labels,
             **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
@@ -271,7 +271,8 @@ def report(result: dict) -> str:
     m = result["measured_with"]
     lines = ["# Accuracy against epsilon (user-level central DP)", "",
              f"`{m['command']}` on commit {m['commit']}, {m['wall_seconds']} s; delta {m['delta']:g}, Poisson "
-             "sampling, adaptive clipping, through the in-memory engine (bench/inmemory.py). "
+             "sampling, adaptive clipping; 1000of10000 through the in-memory engine (bench/inmemory.py), 10of20 "
+             "through `broker-coordinator simulate` (bench/privacy_simulate.py). "
              + (f"Cut to fit the machine: {'; '.join(m['cuts'])}." if m["cuts"] else ""), "",
              "| cohort | epsilon | z | epsilon spent | final accuracy (per seed) | mean |",
              "| --- | --- | --- | --- | --- | --- |"]
