@@ -28,6 +28,7 @@ from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from broker_coordinator.simulation.local_sites import LocalSites
+from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import connect, make_client
@@ -196,14 +197,14 @@ def test_partials_are_validated_like_updates(digits):
     assert tree.rejections["stale"] == 1 and not rnd_tree.answered
 
 
-def _tree_round(digits, forge: bool, seed: int = 7):
+def _tree_round(digits, forge: bool, seed: int = 7, store: Store | None = None):
     """One round of 4 sites of 3 devices (default fold and bounds, fedavg), the last site's aggregator
     compromised when `forge`: it sends a forged, correctly signed partial. Returns the aggregate step."""
     settings = RoundSettings(algorithm="fedavg", codec="float32", round_timeout=60)
     where = fleet({"north": 3, "south": 3, "east": 3, "west": 3})
     keys = {d: signing.new_key() for d in where}
     site_keys = {s: signing.new_key() for s in ("north", "south", "east", "west")}
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={}, store=store,
                            sites={s: SiteSpec(1, k, devices=3) for s, k in site_keys.items()})
     rng = np.random.default_rng(seed)
     step = {n: (0.05 * rng.standard_normal(shape)).astype(np.float32) for n, shape in tree.specs.items()}
@@ -249,6 +250,16 @@ def test_a_compromised_site_moves_the_model_at_most_by_its_share(digits, caplog)
     assert record.participants == 12  # the claimed 50 updates count as the site's 3
     assert record.clipped.get("site_count") == 1 and record.clipped.get("site_center") == 1
     assert "partial from site west" in caplog.text
+
+
+def test_a_sites_lost_standing_survives_a_restart(digits, tmp_path):
+    """The standing a forging site lost is in the checkpoint: a restarted centre does not trust it afresh."""
+    _tree_round(digits, forge=True, store=Store(tmp_path / "state"))
+    settings = RoundSettings(algorithm="fedavg", codec="float32", round_timeout=60)
+    restarted = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={}, store=Store(tmp_path / "state"),
+                                sites={s: SiteSpec(1, signing.new_key(), devices=3)
+                                       for s in ("north", "south", "east", "west")})
+    assert set(restarted.site_standing) == {"west"} and 0 < restarted.site_standing["west"] < 1
 
 
 class PublishedTo:

@@ -136,6 +136,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self._model_payloads: list[tuple[str, bytes]] = []  # retained (topic, payload) of the current model
         self._published: tuple[int, int] | None = None  # (version, chunks) of the retained model
         self._resumed = False  # the state came from a checkpoint
+        self._resumed_trust: dict = {}
         # version -> sha256 of its release: intake rejects an update whose reported base is another model
         self.released_sha: dict[int, str] = {}
         # [privacy] mode = "central": the private fold replaces the robust one (engine/private_rounds.py)
@@ -155,6 +156,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
                              "use another state directory")
         self.weights, self.version, self.next_round = ckpt.weights, ckpt.version, ckpt.round + 1
         self._resumed = True
+        self._resumed_trust = dict(ckpt.trust)  # for subclasses' own parts of it (the tree's site standing)
         set_weights(self.model, self.weights)
         self.server_rule.load_state(ckpt.server_state)
         self.server_optimizer.load_state(ckpt.server_optimizer, self.specs)

@@ -33,11 +33,16 @@ class RoundRecords:
         return Checkpoint(record.round, self.version, self.arch, self.weights, record.model_sha256,
                           self.server_rule.state(), record_row(record),
                           self.served.weights if self.settings.serve_average else None,
-                          {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
-                           "radius": self.radius.state(), "center": self.center,
-                           **({"privacy": self.privacy.state()} if self.privacy else {})},
+                          self._trust_state(),
                           self.broadcast.state() if self.broadcast else {},
                           server_optimizer=self.server_optimizer.state())
+
+    def _trust_state(self) -> dict:
+        """What the fold has learnt about its devices (bounds, standing, the centre, the privacy
+        ledger): checkpointed so that a restart judges the next update as the last run would have."""
+        return {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
+                "radius": self.radius.state(), "center": self.center,
+                **({"privacy": self.privacy.state()} if self.privacy else {})}
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:

@@ -91,7 +91,12 @@ class TreeCoordinator(Coordinator):
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
         self.max_partial_bytes = partial_cap(self.max_update_bytes)
-        self.site_standing: dict[str, float] = {}  # site -> share of its weight it keeps (TreeSum; not checkpointed)
+        # site -> share of its weight it keeps (TreeSum), checkpointed with the devices' standing
+        self.site_standing: dict[str, float] = {str(site): float(v) for site, v in (
+            self._resumed_trust.get("site_standing") or {}).items() if site in self.sites}
+
+    def _trust_state(self) -> dict:
+        return {**super()._trust_state(), "site_standing": dict(self.site_standing)}
 
     def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum:
         """The round's aggregate of partials, each site bounded as one more device of the centre (see
