@@ -298,7 +298,7 @@ def round_time_only(args: argparse.Namespace) -> int:
 
 
 def data_cuts(args: argparse.Namespace) -> dict:
-    return {"cap": args.cap, "test": args.test, "synthetic_labels": args.synthetic_labels}
+    return {"synthetic_cap": args.cap, "synthetic_test": args.test, "synthetic_labels": args.synthetic_labels}
 
 
 def combine(main: Path, other: Path, out: Path) -> int:
