@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -121,7 +122,7 @@ def round_time(clients: list, test, repeats: int, clip_initial: float, cohort: i
     """Coordinator seconds per round at `cohort` participants without and with DP, interleaved on
     the same signed updates (see the module's docstring); `described`: what else decided the
     numbers (the data's cuts), into its measured_with."""
-    started = time.time()
+    started, load = time.time(), os.getloadavg()[0]
     off_settings = settings_for("fedprox", "none", cohort, population, 40, clip_initial, 0.05)
     # planned for every round folded here, so that the budget stop never ends the measurement
     central_settings = settings_for("fedprox", "8", cohort, population, max(40, repeats + 1), clip_initial, 0.05)
@@ -178,7 +179,8 @@ def round_time(clients: list, test, repeats: int, clip_initial: float, cohort: i
             provenance.invoked(), provenance.deciding(central_settings), delta=DELTA, sampling="poisson",
             clip="adaptive", clip_initial=clip_initial, epsilon="8", noise_multiplier=private.z,
             population=population, participants=len(updates), local_epochs=1,
-            transport="in-memory (bench/inmemory.py)", **described, wall_seconds=round(time.time() - started)),
+            transport="in-memory (bench/inmemory.py)", **described, wall_seconds=round(time.time() - started),
+            load_average=[round(load, 2), round(os.getloadavg()[0], 2)]),  # 1-minute, at start and end
     }
     print(f"round seconds at {len(updates)} participants (median of {repeats}, interleaved): off {off:.3f} s, "
           f"central {central:.3f} s ({central / off:.3f}x; paired {out['paired_ratio']:.3f}x); CPU off "
