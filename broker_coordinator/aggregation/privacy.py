@@ -58,6 +58,15 @@ def secure_generator() -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(secrets.randbits(128)))
 
 
+def secure_uniforms(n: int) -> np.ndarray:
+    """n independent uniforms in [0, 1), each 53 bits straight from the operating system's CSPRNG,
+    as `secrets.SystemRandom().random()` draws one, but in one read of 8 n bytes: a Poisson cohort of
+    10,000 eligible devices costs the coordinator about 1 ms instead of 25-30 ms of one system call
+    per device (bench/privacy.py --round-time-only)."""
+    raw = np.frombuffer(secrets.token_bytes(8 * n), dtype="<u8")
+    return (raw >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
 @dataclass
 class AdaptiveClip:
     """The clip and its geometric update from the private unclipped fraction."""

@@ -7,7 +7,8 @@ sites, so it gives the site tasks their rules and quotas (`site_privacy`, `site_
 round its aggregate of clipped partials (`tree_fold`); the rest is the same.
 
 Choices the accounting rests on:
-- the cohort is drawn with the operating system's CSPRNG (`secrets.SystemRandom`), never the
+- the cohort is drawn with the operating system's CSPRNG (poisson: one 53-bit uniform per eligible
+  device, all read at once, `privacy.secure_uniforms`; fixed: `secrets.SystemRandom`), never the
   coordinator's seeded `random.Random`, whose seed is in its config;
 - poisson: each eligible device joins with probability q = m / N; a device that is offline has
   probability 0, which only helps it; the fold still divides by m;
@@ -23,11 +24,14 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from broker_coordinator.aggregation.accountant import Accountant, Ledger, Sampling
 from broker_coordinator.aggregation.privacy import (
     AdaptiveClip,
     PrivateRound,
     count_stddev,
+    secure_uniforms,
     update_noise,
 )
 from broker_coordinator.aggregation.private_partials import PrivateTreeSum, SitePrivacy
@@ -92,7 +96,7 @@ class PrivateRounds:
             self.sampling = Sampling("fixed", max(len(eligible), 1), min(self.cohort_size, max(len(eligible), 1)))
             return set(self.random.sample(eligible, min(self.cohort_size, len(eligible))))
         q = self.cohort_size / self.population
-        return {d for d in eligible if self.random.random() < q}
+        return {eligible[i] for i in np.flatnonzero(secure_uniforms(len(eligible)) < q)}
 
     def check_budget(self, round_no: int) -> None:
         target = self.settings.target_epsilon
