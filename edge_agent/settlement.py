@@ -28,6 +28,12 @@ DynSAM's dual h_k, via `ClientRule.committed`) and the codec's error-feedback re
                   restarted agent has given up.
 
 Exactly one of the two counts: the update once folded, or its delta owed in the next one.
+
+A verdict given at arrival can be overtaken: a streaming fold says "folded" as the update comes in,
+and if the round is then abandoned (its quorum not met, or no version made of it) the coordinator
+sends a second receipt, `left_out`. Before its next training the agent looks for one about the
+update it last committed, and if it is there settles that update again as left out: the state goes
+back to what it was before (nothing newer has been committed on top of it yet).
 """
 
 from __future__ import annotations
@@ -133,6 +139,7 @@ class Settlement:
     """A mixin of `Agent`: it uses the agent's state, receipts, `_deliver` and `_give_back_down_counts`."""
 
     unsettled: Sent | None = None
+    committed: Sent | None = None  # the last update committed as folded or clipped, until the next training
 
     def _settle(self, sent: Sent, receipt: messages.Receipt | None, resend: bool = False) -> str:
         """Commit what the verdict says was folded (see the module's docstring); returns the verdict."""
@@ -141,15 +148,33 @@ class Settlement:
         if kind == "rejected":
             self._give_back_down_counts(sent.down)
         self.unsettled = sent if kind == "unknown" else None
+        self.committed = sent if kind in ("folded", "clipped") else None
         if kind == "unknown":
             log.info("round %d: the %supdate's verdict is not known yet (%s); nothing committed, nothing owed, "
                      "it is asked for again before the next task", sent.task.round, "resent " if resend else "",
                      detail)
         return kind
 
+    def _undo_if_abandoned(self) -> None:
+        """Before training: if the update committed last was left out after all (a second receipt: its
+        round was abandoned after the fold took it), settle it again as left out."""
+        sent, self.committed = self.committed, None
+        if sent is None:
+            return
+        with self.receipt_arrived:
+            later = self.receipts.pop(sent.key, None)
+        if later is None or not later.accepted or later.verdict != "left_out":
+            return
+        apply_verdict(self.state.data, sent, "left_out", 0.0)
+        self.state.save()
+        log.warning("round %d: the update committed as folded was left out after all (%s); its commit is "
+                    "undone", sent.task.round, later.detail or "no reason given")
+
     def _settle_unsettled(self, task: messages.Task) -> None:
-        """Before training for `task`: resend the update still without a verdict (bounded wait), and
-        settle it by the answer; give up on the safe side if none comes."""
+        """Before training for `task`: undo a commit its round's abandonment overtook; resend the
+        update still without a verdict (bounded wait), and settle it by the answer; give up on the
+        safe side if none comes."""
+        self._undo_if_abandoned()
         sent, self.unsettled = self.unsettled, None
         if sent is None:
             return

@@ -278,6 +278,42 @@ class PublishedTo:
         return []
 
 
+class ReceiptsToo(PublishedTo):
+    """PublishedTo, keeping the receipts too: device -> [Receipt, ...]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.receipts: dict[str, list[messages.Receipt]] = {}
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        if topic.endswith("/receipt"):
+            self.receipts.setdefault(topic.split("/")[3], []).append(messages.decode_receipt(payload))
+
+
+def test_a_site_tells_its_devices_left_out_when_the_centre_retries_the_round(digits):
+    """A streaming fold tells a device "folded" on arrival; when the centre then tasks the same round
+    again (its attempt made no version), the site tells that device its update was left out after all."""
+    settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", round_timeout=60)
+    keys = {"north-0": signing.new_key()}
+    worker = SiteWorker(FED, "north", ARCH, signing.new_key(), keys)
+    worker.session = ReceiptsToo()  # type: ignore[assignment]
+
+    def cohort(attempt: int) -> bytes:
+        task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", attempt)
+        site_task = SiteTask(1, attempt, 1, messages.encode("task", task), site_rules(settings))
+        return msgpack.packb({"site_task": encode_site_task(site_task), "devices": ["north-0"]}, use_bin_type=True)
+
+    worker._on_cohort(cohort(1))
+    delta = {n: np.full(shape, 0.01, np.float32) for n, shape in worker.specs.items()}
+    encoded = codec.encode(delta, "float32")
+    update = messages.Update("north-0", 1, 0, 100, {"steps": 5}, encoded.body, encoded.codec, encoded.specs, FED, 1)
+    worker._on_update(worker.current, "north-0", messages.encode_update(update, keys["north-0"]), time.time())
+    worker._on_cohort(cohort(2))
+    told = [(r.attempt, r.verdict) for r in worker.session.receipts["north-0"]]
+    assert told[-2:] == [(1, "folded"), (1, "left_out")], told  # (a cold start says "pending" first)
+    assert "abandoned attempt 1" in worker.session.receipts["north-0"][-1].detail
+
+
 @pytest.mark.parametrize("policy", ["stability", "random"])
 def test_a_site_selects_its_cohort_with_the_rounds_selection_policy(policy):
     """The site task carries the round's `selection`; the site's leader draws its cohort with it from

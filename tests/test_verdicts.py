@@ -6,6 +6,7 @@ and Prometheus carry the same verdicts."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 
 import msgpack
@@ -17,9 +18,16 @@ from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
 from broker_coordinator.simulation.private_broker import PrivateBroker
-from broker_coordinator.simulation.simulate import SimulationSpec, spawn_agent, stop_processes, write_agent_config
+from broker_coordinator.simulation.simulate import (
+    SimulationSpec,
+    spawn_agent,
+    stop_processes,
+    write_agent_config,
+)
 from broker_coordinator.storage.store import Store
-from edgefl_protocol import messages, signing
+from edge_agent.settlement import Sent, Settlement
+from edge_agent.state import DeviceState
+from edgefl_protocol import codec, messages, signing
 from models import datasets
 
 FED = "vd"
@@ -228,3 +236,52 @@ def test_a_lost_receipt_and_the_next_round_count_the_update_exactly_once(tmp_pat
     assert coordinator.verdicts.of(("dev-a", 1, 1)).kind == "folded"
     assert "owed" not in second.devices["dev-a"] and "double_count" not in second.devices["dev-a"]
     assert coordinator.norms[2] < 0.05 * coordinator.norms[1], coordinator.norms  # round 1's delta is not in it
+
+
+
+class _Dual:
+    """A client rule whose committed state is the decoded delta it was told was folded (a dual's shape)."""
+
+    def __init__(self, before: dict) -> None:
+        self.state = dict(before)
+
+    def committed(self, decoded: dict) -> None:
+        self.state = {"h": [a.copy() for a in decoded.values()]}
+
+
+class _Device(Settlement):
+    """The agent's settlement with only what it reads: its state, its receipts and their condition."""
+
+    def __init__(self, state_dir) -> None:  # noqa: ANN001
+        self.state = DeviceState(state_dir)
+        self.receipts: dict = {}
+        self.receipt_arrived = threading.Condition()
+
+
+def _committed_update(tmp_path) -> tuple[_Device, dict]:
+    """A device whose round 4 update was received as folded: its dual holds the delta."""
+    device = _Device(tmp_path / "state")
+    before = {"h": [np.zeros(3, np.float32)]}
+    device.state.data["feddyn"] = before
+    delta = {"w": np.array([0.1, -0.2, 0.3], np.float32)}
+    sent = Sent(messages.Task(4, 0, time.time() + 60, "feddyn"), b"", "feddyn", _Dual(before), before, delta,
+                codec.encode(delta, "float32"), None, {})
+    assert device._settle(sent, messages.Receipt(4, 1, True, verdict="folded")) == "folded"
+    np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], delta["w"])
+    return device, delta
+
+
+def test_a_commit_overtaken_by_its_rounds_abandonment_is_undone_before_the_next_training(tmp_path):
+    """A streaming fold says "folded" on arrival; the round is then abandoned and a second receipt says
+    left_out. Before its next training the agent settles that update again: the dual is what it was."""
+    device, _ = _committed_update(tmp_path)
+    device.receipts[(4, 1)] = messages.Receipt(4, 1, True, detail="round 4 abandoned: quorum", verdict="left_out")
+    device._settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
+    np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], 0.0)
+    assert device.committed is None and (4, 1) not in device.receipts
+
+
+def test_a_commit_with_no_later_receipt_stands(tmp_path):
+    device, delta = _committed_update(tmp_path)
+    device._settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
+    np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], delta["w"])

@@ -295,8 +295,14 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         key = (site_task.round, site_task.attempt)
         if self.current is not None and key <= (self.current.number, self.current.attempt):
             return
-        if self.current is not None and (self.current.number, self.current.attempt) not in self.sent:
-            self._send_partial(self.current, "superseded by a newer task")
+        previous = self.current
+        if previous is not None and (previous.number, previous.attempt) not in self.sent:
+            self._send_partial(previous, "superseded by a newer task")
+        if previous is not None and previous.number == site_task.round and previous.attempt < site_task.attempt:
+            # the centre tasks the round again: the attempt this site folded for made no version, so
+            # the devices told "folded" are told "left_out" (they undo their commit, edge_agent.settlement)
+            previous.reason = f"the centre abandoned attempt {previous.attempt} and retries as {site_task.attempt}"
+            self._abandoned(previous)
         self.current = self._open(site_task, task, devices)
         self.seen = set()
         if not devices:
