@@ -413,10 +413,26 @@ def report(result: dict) -> str:
             line += (f"; CPU {rs['cpu']['off']:.3f} s and {rs['cpu']['central']:.3f} s ({rs['cpu']['ratio']:.3f}x); "
                      f"{rs['method']} (`{rs['measured_with']['command']}`, commit {rs['measured_with']['commit']})")
         lines.append(line + ".")
+    for cohort, rows in result["runs"].items():
+        lines += plateau_warning(cohort, rows.get("none"))
     if "10of20" in result["runs"]:
         lines.append("The 10-of-20 rows give no useful privacy: with q = 0.5 and 10 devices per round, the noise "
                      "a meaningful epsilon needs is larger than the clipped updates it hides.")
     return "\n".join(lines) + "\n"
+
+
+def plateau_warning(cohort: str, none: dict | None, after: int = 5, points: float = 1.0) -> list[str]:
+    """A sentence when the non-private run stopped improving early: then its rows measure DP's cost
+    at that plateau, not on a model that is still learning (the cost would show later)."""
+    trace = (none or {}).get("trace") or []
+    if len(trace) <= after:
+        return []
+    early, final = trace[after - 1]["accuracy"], trace[-1]["accuracy"]
+    if final - early >= points / 100:
+        return []
+    return [(f"Without privacy the {cohort} run (seed 0) was at {100 * early:.2f}% after round {after} and ended at "
+            f"{100 * final:.2f}% after {len(trace)}: it stopped improving early, so these rows measure what DP "
+            "costs on a plateau, not on a model that is still learning.")]
 
 
 if __name__ == "__main__":
