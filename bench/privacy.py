@@ -201,6 +201,7 @@ def central_reference(clients: list, test, devices: int = 1000, lr: float = 0.05
     """What the synthetic cohort's MLP learns in one epoch of plain SGD on the pooled data of the first
     `devices` devices (no federation, no privacy): how far the federated rows are from learnable."""
     import torch
+
     from models.architectures import build_model
 
     x = torch.tensor(np.concatenate([np.asarray(c.x) for c in clients[:devices]]), dtype=torch.float32)

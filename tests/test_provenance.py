@@ -93,12 +93,19 @@ CLAIMS = [
     ("README.md", r"([+-][\d.]+) points against FedAvg", "algorithms.json", "headline_vs/dynsam/fedavg", 100, 2),
     ("README.md", r"([+-][\d.]+) against FedSMOO", "algorithms.json", "headline_vs/dynsam/fedsmoo", 100, 2),
     ("README.md", r"within ([\d.]+) points of clean", "attacks.json", "clean_minus_sign_flip@0.1", 100, 1),
-    ("README.md", r"per round end at ([\d.]+)% at epsilon 8", "privacy.json", "runs/1000of10000/8/final_accuracy/0",
-     100, 2),
-    ("README.md", r"and\s+([\d.]+)% at epsilon 3", "privacy.json", "runs/1000of10000/3/final_accuracy/0", 100, 2),
-    ("README.md", r"against ([\d.]+)% without privacy", "privacy.json", "runs/1000of10000/none/final_accuracy/0",
-     100, 2),
-    ("README.md", r"end at ([\d.]+)% at epsilon 8 against", "privacy.json", "runs/10of20/8/final_accuracy/0", 100, 2),
+    ("README.md", r"\(1 seed\) end at ([\d.]+)% at\s+epsilon 8", "privacy.json",
+     "runs/1000of10000/8/final_accuracy/0", 100, 2),
+    ("README.md", r"([\d.]+)% at epsilon 3 and", "privacy.json", "runs/1000of10000/3/final_accuracy/0", 100, 2),
+    ("README.md", r"([\d.]+)% at epsilon 1 \(delta", "privacy.json", "runs/1000of10000/1/final_accuracy/0", 100, 2),
+    ("README.md", r"against ([\d.]+)% without privacy, but", "privacy.json",
+     "runs/1000of10000/none/final_accuracy/0", 100, 2),
+    ("README.md", r"reaches ([\d.]+)% in one epoch", "privacy.json", "central_reference/accuracy", 100, 2),
+    ("docs/PRIVACY.md", r"scores ([\d.]+)% after one epoch", "privacy.json", "central_reference/accuracy", 100, 2),
+    ("README.md", r"takes ([\d.]+)x the\s+time without DP", "privacy.json", "round_seconds/ratio", 1, 2),
+    *[("README.md", r"end at " + r"[\d.]+,?\s+(?:and\s+)?" * i + r"([\d.]+)", "privacy.json",
+       f"runs/10of20/8/final_accuracy/{i}", 100, 2) for i in range(3)],
+    *[("README.md", r"epsilon 8 against " + r"[\d.]+,?\s+(?:and\s+)?" * i + r"([\d.]+)", "privacy.json",
+       f"runs/10of20/none/final_accuracy/{i}", 100, 2) for i in range(3)],
     ("README.md", r"peak RSS is (\d+) /", "runtime.json", "coordinator_rss_mb/100", 1, 0),
     ("README.md", r"peak RSS is \d+ / (\d+) /", "runtime.json", "coordinator_rss_mb/300", 1, 0),
     ("README.md", r"peak RSS is \d+ / \d+ / (\d+) MB", "runtime.json", "coordinator_rss_mb/1000", 1, 0),
@@ -157,7 +164,8 @@ DERIVED = {  # numbers the docs quote that the files hold only in parts
     "headline_vs/dynsam/fedavg": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedavg"),
     "headline_vs/dynsam/fedsmoo": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedsmoo"),
 }
-SECTIONS = {"README.md": "## Measured", "docs/OPERATOR.md": "## Running on a real fleet: what to expect"}
+SECTIONS = {"README.md": "## Measured", "docs/OPERATOR.md": "## Running on a real fleet: what to expect",
+            "docs/PRIVACY.md": "## Choosing the numbers"}
 
 
 def section(doc: str) -> str:
