@@ -140,5 +140,6 @@ torch-debian: mosquitto
 	fi
 	$(MAKE) setup TORCH=system PYTHON=/usr/bin/python3 VENV=$(TORCH_DEBIAN_VENV)
 	# the test runner alone (the dev extras stay out), pinned to the system's torch like the project
-	$(TORCH_DEBIAN_VENV)/bin/pip install --quiet -c $(TORCH_DEBIAN_VENV)/torch-pin.txt "pytest>=8" "pytest-timeout>=2.2"
+	$(TORCH_DEBIAN_VENV)/bin/pip install --quiet -c $(TORCH_DEBIAN_VENV)/torch-pin.txt "pytest>=8" "pytest-timeout>=2.2" \
+		"pytest-xdist>=3.5"
 	nice -n 10 $(TORCH_DEBIAN_VENV)/bin/python -m bench.torch_debian $(TORCH_DEBIAN_ARGS)

@@ -82,21 +82,35 @@ def refusal(cell: Cell) -> str:
 
 
 def pairwise(candidates: list[Cell]) -> list[Cell]:
-    """A greedy subset of `candidates` covering every pair of axis values that some candidate has."""
+    """A smallest subset of `candidates` covering every pair of axis values that some candidate has
+    (an exhaustive search by increasing size; the cells in `candidates` order). A greedy cover took
+    9 cells where 7 do, and each cell is a federation of real processes."""
     keys = list(AXES)
 
     def pairs(cell: Cell) -> set[tuple]:
         values = asdict(cell)
         return {((a, values[a]), (b, values[b])) for a, b in itertools.combinations(keys, 2)}
 
-    uncovered = set().union(*(pairs(c) for c in candidates))
-    chosen: list[Cell] = []
-    while uncovered:
-        best = max(candidates, key=lambda c: (len(pairs(c) & uncovered), -candidates.index(c)))
-        chosen.append(best)
-        uncovered -= pairs(best)
-    return chosen
+    index = {pair: i for i, pair in enumerate(sorted(set().union(*(pairs(c) for c in candidates))))}
+    masks = [sum(1 << index[p] for p in pairs(c)) for c in candidates]  # the pairs each cell covers
+    covering = [[k for k, mask in enumerate(masks) if mask >> i & 1] for i in range(len(index))]
+    widest = max((mask.bit_count() for mask in masks), default=1)
 
+    def search(uncovered: int, chosen: list[int], limit: int) -> list[int] | None:
+        if not uncovered:
+            return chosen
+        if len(chosen) + -(-uncovered.bit_count() // widest) > limit:
+            return None  # even cells covering `widest` new pairs each would not reach it within `limit`
+        rarest = min((i for i in range(len(index)) if uncovered >> i & 1), key=lambda i: len(covering[i]))
+        for k in covering[rarest]:  # some chosen cell must cover the pair that fewest cells cover
+            if (found := search(uncovered & ~masks[k], [*chosen, k], limit)) is not None:
+                return found
+        return None
+
+    for limit in range(len(candidates) + 1):
+        if (found := search((1 << len(index)) - 1, [], limit)) is not None:
+            return [candidates[k] for k in sorted(found)]
+    return list(candidates)  # not reached: all the candidates cover every pair
 
 def untrained_score(arch: str, seed: int) -> float:
     """The central metric of the model every cell starts from (models.build_model(arch, seed))."""

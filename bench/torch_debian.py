@@ -3,7 +3,7 @@
 pyproject.toml admits torch down to 1.13.0a0 for this build. `make torch-debian` installs it
 with apt-get, makes the TORCH=system venv on /usr/bin/python3 (--system-site-packages, pip
 pinned to the system's torch) with the project and no extras, adds the test runner (pytest,
-pytest-timeout) and runs this module in that venv. Debian's python3-sklearn, installed beside
+pytest-timeout, pytest-xdist) and runs this module in that venv. Debian's python3-sklearn, installed beside
 python3-torch, carries the digits data set (and lets the tests that load it run):
 
 1. the test suite; a test that fails only because a dev extra (scikit-learn, mlxtend,
@@ -131,8 +131,8 @@ def main() -> int:
             (logs / name).write_text((work / name).read_text())
     report = {"measured_with": {"commit": measured_at, "command": "make torch-debian",
                                 "venv": "python3 -m venv --system-site-packages (make setup TORCH=system "
-                                        "PYTHON=/usr/bin/python3), the project without extras, plus pytest and "
-                                        "pytest-timeout; Debian's python3-sklearn for the digits data",
+                                        "PYTHON=/usr/bin/python3), the project without extras, plus pytest, "
+                                        "pytest-timeout and pytest-xdist; Debian's python3-sklearn for the digits data",
                                 "pytest": f"python -m pytest -q {args.pytest_args}",
                                 "federation": {"dataset": "digits", "agents": args.agents, "rounds": args.rounds}},
               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": env,

@@ -76,14 +76,34 @@ def load_mnist5k() -> FederatedData:
                          Dataset(x[perm[4000:]], y[perm[4000:]]))
 
 
+def digits_table() -> np.ndarray | None:
+    """scikit-learn's bundled digits.csv.gz (64 pixels and the label a row), read with numpy like
+    MNIST-5k: importing sklearn (and scipy with it) costs each process that loads digits more than a
+    second. None when the package is not installed or keeps the file elsewhere."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        return None
+    with gzip.open(path, "rt") as handle:
+        return np.loadtxt(handle, delimiter=",")  # as sklearn.datasets.load_digits reads it
+
+
 def load_digits() -> FederatedData:
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError:
-        raise DatasetError("the digits dataset comes with scikit-learn, which is not installed: pip install 'edgefl[demo]'") from None
-    bunch = sk_load_digits()
-    x = (bunch.data / 16.0).astype(np.float32)
-    y = bunch.target.astype(np.int64)
+    table = digits_table()
+    if table is not None:
+        pixels, labels = table[:, :-1], table[:, -1]
+    else:
+        try:
+            from sklearn.datasets import load_digits as sk_load_digits
+        except ImportError:
+            raise DatasetError("the digits dataset comes with scikit-learn, which is not installed: "
+                               "pip install 'edgefl[demo]'") from None
+        bunch = sk_load_digits()
+        pixels, labels = bunch.data, bunch.target
+    x = (pixels / 16.0).astype(np.float32)
+    y = labels.astype(np.int64)
     perm = np.random.default_rng(0).permutation(len(y))
     cut = int(0.8 * len(y))
     return FederatedData("digits", "digits_mlp", Dataset(x[perm[:cut]], y[perm[:cut]]),

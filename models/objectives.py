@@ -11,17 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
-from torch.nn import functional as F
 
 from .datasets import Dataset
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch is imported where a loss or an evaluation needs it, not here: the coordinator's device-management
+# commands validate [federation] task and loss through Objective and stay quick (config.load_config)
 TASKS = ("classification", "regression")
 LOSSES = {"classification": ("cross_entropy",), "regression": ("mse", "mae")}
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Objective:
         return self.task == "classification"
 
     def loss_function(self) -> LossFn:
+        from torch import nn
+        from torch.nn import functional as F
         if self.task == "classification":
             return nn.CrossEntropyLoss()
         error = F.mse_loss if self.loss == "mse" else F.l1_loss
@@ -65,21 +71,22 @@ class Objective:
     def label_dtype(self) -> type:
         return np.int64 if self.task == "classification" else np.float32
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, data: Dataset, batch_size: int = 1000) -> Evaluation:
         """The metric and the mean loss of `model` on `data` (NaN for empty data)."""
+        import torch
         if len(data) == 0:
             return Evaluation(self.metric, float("nan"), float("nan"), 0)
         model.eval()
         loss_fn = self.loss_function()
         loss_sum, score_sum = 0.0, 0.0
-        for start in range(0, len(data), batch_size):
-            x = torch.from_numpy(data.x[start:start + batch_size])
-            y = torch.from_numpy(data.y[start:start + batch_size])
-            output = model(x)
-            loss_sum += float(loss_fn(output, y)) * len(y)
-            if self.task == "classification":
-                score_sum += float((output.argmax(dim=1) == y).sum())
+        with torch.no_grad():
+            for start in range(0, len(data), batch_size):
+                x = torch.from_numpy(data.x[start:start + batch_size])
+                y = torch.from_numpy(data.y[start:start + batch_size])
+                output = model(x)
+                loss_sum += float(loss_fn(output, y)) * len(y)
+                if self.task == "classification":
+                    score_sum += float((output.argmax(dim=1) == y).sum())
         score = score_sum / len(data) if self.task == "classification" else loss_sum / len(data)
         return Evaluation(self.metric, score, loss_sum / len(data), len(data))
 

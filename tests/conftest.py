@@ -4,17 +4,26 @@ port, waits until it accepts connections, and stops exactly that process."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
 import paho.mqtt.client as mqtt
 import pytest
+import torch
 
 from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol.transport import connect, make_client
 
 FEDERATION = "test"
+
+# One torch thread in each test process and in the processes it starts (the coordinators `simulate`
+# runs; agents already train with [device] threads = 1): the tests run in one worker per core
+# (pytest-xdist, pyproject.toml), and torch's default of a thread per core in every worker puts more
+# spinning threads than cores on the machine, where a 3 s in-process federation took 80 s of CPU.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -36,6 +36,19 @@ def test_digits_loads():
     assert data.train.x.shape[1] == 64 and len(data.train) + len(data.test) == 1797
 
 
+def test_digits_read_without_sklearn_are_sklearns_digits(monkeypatch):
+    """load_digits reads sklearn's file with numpy; sklearn's own loader (the fallback when the file is
+    elsewhere) gives exactly the same data set."""
+    pytest.importorskip("sklearn")
+    assert datasets.digits_table() is not None
+    direct = datasets.load("digits")
+    monkeypatch.setattr(datasets, "digits_table", lambda: None)
+    through_sklearn = datasets.load("digits")
+    for a, b in ((direct.train, through_sklearn.train), (direct.test, through_sklearn.test)):
+        assert a.x.dtype == b.x.dtype == np.float32 and a.y.dtype == b.y.dtype == np.int64
+        assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
+
+
 def test_unknown_dataset_says_what_exists():
     with pytest.raises(datasets.DatasetError, match="choose mnist5k, digits or synthetic"):
         datasets.load("cifar10")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from broker_coordinator.access.broker import free_port
 from broker_coordinator.simulation.processes import stop_processes
 from .operator_fixtures import PROJECT_ROOT, debian_main_conf, run_module, write_coordinator_config
 
@@ -165,3 +166,17 @@ def test_a_session_file_counts_only_while_its_agent_runs(tmp_path):
         agent.wait()
     (tmp_path / SESSION_FILE).write_text(json.dumps({**record, "pid": agent.pid}))  # gone
     assert running_session(tmp_path) is None
+
+
+def test_device_management_commands_start_without_torch(tmp_path):
+    """`broker-config` and `devices add / list / revoke` read the config without [rounds]
+    (config.load_config(with_rounds=False)), so they never import torch: they answer in a fraction of
+    a second on a Pi, not after the seconds torch's import takes."""
+    config = write_coordinator_config(tmp_path / "server", free_port())
+    probe = ("import sys\nfrom broker_coordinator.cli.cli import main\n"
+             "for command in (['broker-config'], ['devices', 'add', 'pi-07'], ['devices', 'revoke', 'pi-07']):\n"
+             "    main([*command, '--config', sys.argv[1]])\n"
+             "print('torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(config)], check=False, capture_output=True, text=True,
+                            timeout=60, cwd=PROJECT_ROOT, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    assert result.stdout.strip().splitlines()[-1:] == ["False"], result.stdout + result.stderr

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker_coordinator.settings.choices import STREAMING, TOPOLOGIES
-from edgefl_protocol import algorithms
 
 if TYPE_CHECKING:
     from broker_coordinator.settings.round_settings import RoundSettings
@@ -36,6 +35,9 @@ class Rule:
 
 def _async_refusal(s: RoundSettings) -> str:
     """An algorithm's own reason not to serve buffered mode ("" = it serves it)."""
+    # imported here, not at the top: it imports torch, which the device-management commands do not
+    # need (config.load_config with_rounds=False)
+    from edgefl_protocol import algorithms
     return algorithms.get(s.algorithm).server(s.task_hparams(1)).asynchronous_refusal()
 
 
@@ -45,6 +47,7 @@ def _private(s: RoundSettings) -> bool:
 
 def _reads_devices(s: RoundSettings) -> str:
     """What an algorithm's server rule takes from the devices besides the clipped delta ("" = nothing)."""
+    from edgefl_protocol import algorithms
     from edgefl_protocol.algorithms.base import ServerRule
     rule = algorithms.get(s.algorithm).server(s.task_hparams(1))
     if rule.extra_specs({"w": (1,)}):
