@@ -112,6 +112,7 @@ def pairwise(candidates: list[Cell]) -> list[Cell]:
             return [candidates[k] for k in sorted(found)]
     return list(candidates)  # not reached: all the candidates cover every pair
 
+
 def untrained_score(arch: str, seed: int) -> float:
     """The central metric of the model every cell starts from (models.build_model(arch, seed))."""
     from models import datasets
