@@ -79,14 +79,25 @@ def commit() -> str:
     return sha + ("+dirty" if dirty else "")
 
 
+def portable(arg: str) -> str:
+    """A path inside this checkout as a path relative to it (results never name this machine's paths)."""
+    if not arg.startswith("/"):
+        return arg
+    try:
+        return str(Path(arg).resolve().relative_to(ROOT))
+    except ValueError:
+        return arg
+
+
 def invoked() -> str:
     """How this process was started, as a command to rerun: "python -m bench.field --quick"."""
     script = Path(sys.argv[0]).resolve()
+    args = [portable(a) for a in sys.argv[1:]]
     try:
         module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
     except ValueError:
-        return " ".join(["python", *sys.argv])
-    return " ".join(["python", "-m", module, *sys.argv[1:]])
+        return " ".join(["python", sys.argv[0], *args])
+    return " ".join(["python", "-m", module, *args])
 
 
 def measured_with(command: str, settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
