@@ -30,10 +30,11 @@ class Job:
     seed: int
     split: str = "test"       # "test" or "validation"
     rounds: int | None = None
+    server: str = ""          # [rounds] server_optimizer; "" is the default (sgd at rate 1)
 
     @property
     def key(self) -> str:
-        return self.variant.name + ("+momentum" if self.momentum else "")
+        return self.variant.name + ("+momentum" if self.momentum else "") + (f"+{self.server}" if self.server else "")
 
     @property
     def path(self) -> Path:

@@ -101,7 +101,8 @@ def run_job(job: Job) -> dict:
         fed.clients, fed.test = fedsim.split_validation(fed.clients)
     # only what the benchmark varies is set; everything else is the shipped default
     rs = RoundSettings(algorithm=job.variant.algorithm, clients_per_round=fed.clients_per_round,
-                       momentum=job.momentum, hparams=dict(job.variant.hparams), round_timeout=ROUND_TIMEOUT)
+                       momentum=job.momentum, hparams=dict(job.variant.hparams), round_timeout=ROUND_TIMEOUT,
+                       server_optimizer=job.server or "sgd")
     fleet = fleet_for(len(fed.clients), job.seed)
     started = time.time()
     result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True, fleet=fleet)

@@ -258,6 +258,10 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
         partition=f"bench/data/{PARTITION_FILE.name}", seeds_per_row={row: r["seeds"] for row, r in out_runs.items()},
         runs=f"cached in {os.path.relpath(runs, PROJECT_ROOT)}/: a cached run may come from older code than this commit")
     RESULTS.mkdir(parents=True, exist_ok=True)
+    previous = RESULTS / f"{stem}.json"
+    if previous.exists():  # bench/field_settings.py's part of field.json stays as it wrote it
+        kept = json.loads(previous.read_text())
+        result.update({k: kept[k] for k in ("settings", "choice", "settings_measured_with") if k in kept})
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / f"{stem}_details.json").write_text(
         json.dumps({**details, "measured_with": result["measured_with"]}) + "\n")

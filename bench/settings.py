@@ -14,6 +14,7 @@ HEADLINE_FILE = Path(__file__).resolve().parent / "data" / "mnist5k_dir01_20clie
 HEADLINE = "mnist5k_dirichlet0.1_20clients"
 DIRICHLET05 = "mnist5k_dirichlet0.5_20clients"
 SYNTHETIC = "synthetic1,1_30clients"
+DIGITS_LABEL_SKEW = "digits_shards2_20clients"
 
 
 def headline() -> Federation:
@@ -39,4 +40,13 @@ def synthetic() -> Federation:
     return Federation(SYNTHETIC, "logreg60", clients, data.test, rounds=40, clients_per_round=10)
 
 
-SETTINGS = {HEADLINE: headline, DIRICHLET05: dirichlet05, SYNTHETIC: synthetic}
+def digits_label_skew() -> Federation:
+    """scikit-learn's digits over 20 clients, each holding 2 label-sorted shards (McMahan et al.'s
+    pathological split): most clients see two classes, the harshest label skew of the settings."""
+    data = datasets.load_digits()
+    parts = partition.shards(data.train.y, 20, 2, seed=0)
+    return Federation(DIGITS_LABEL_SKEW, "digits_mlp", [data.train.subset(p) for p in parts], data.test,
+                      rounds=40, clients_per_round=10)
+
+
+SETTINGS = {HEADLINE: headline, DIRICHLET05: dirichlet05, SYNTHETIC: synthetic, DIGITS_LABEL_SKEW: digits_label_skew}

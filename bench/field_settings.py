@@ -1,0 +1,142 @@
+"""The default chosen across settings (a benchmark, not a test): the same rows on three settings,
+3 seeds each, through the shipped engine in process (bench/inmemory.py: the agent's training with
+device-chosen epochs on the emulated fleet mix, the default codec with error feedback, signed updates,
+the coordinator's intake, trust bounds, the default fold, the server rule and server optimizer).
+
+Settings (bench/settings.py):
+- the headline partition: MNIST-5k, Dirichlet(0.1) over 20 clients, the CNN;
+- FedProx's Synthetic(1,1) over 30 devices, logistic regression;
+- digits, 20 clients of 2 label-sorted shards each (the label-skewed one), the MLP.
+
+A row is ALGORITHM+CLIENT[+SERVER]: CLIENT sgd or momentum (0.9), SERVER a [rounds] server_optimizer
+at its default rate. The runs are made in the order that decides the default first: every algorithm
+with SGD, then the best headline row and FedAvg with each server optimizer, then every algorithm with
+momentum; cheap settings run every row. Each finished run is cached (bench/results/algorithms_runs/,
+shared with bench/algorithms.py, so its headline runs count here) and the report is rebuilt after
+every run, so the job can be stopped and resumed at any time.
+
+    python -m bench.field_settings                   # the plan (hours on 2 cores; resumable)
+    python -m bench.field_settings --phases sgd      # the SGD rows only
+    python -m bench.field_settings --report          # rebuild from the cache
+
+Writes bench/results/field_settings.md and the "settings" and "choice" parts of field.json.
+The choice is the row with the best worst case (its mean final accuracy minus FedAvg's with the same
+client optimizer, the smallest over the settings), among rows run on every setting with every seed at
+no more than 1.3x FedAvg's local passes on any setting.
+
+What differs from `python -m bench.field`'s headline runs: no broker, no cgroup quotas, no churn
+(bench/inmemory.py's docstring says the rest), so 2 cores can run the matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+
+from . import provenance
+from .algorithm_jobs import MOMENTUM, RESULTS, RUNS, Job
+from .algorithms import BASELINES, DEFAULT, ROUND_TIMEOUT, fleet_spec, run_job
+from .field_settings_report import choose, markdown, summarize
+from .settings import DIGITS_LABEL_SKEW, HEADLINE, SYNTHETIC
+
+SETTINGS = [HEADLINE, SYNTHETIC, DIGITS_LABEL_SKEW]
+CHEAP = [SYNTHETIC, DIGITS_LABEL_SKEW]  # seconds a run: every row runs there
+SEEDS = (1, 2, 3)
+SERVERS = ("momentum", "adam", "yogi", "adagrad")
+VARIANTS = {v.name: v for v in BASELINES + [DEFAULT]}
+PHASES = ("sgd", "server", "momentum")
+
+
+def job(setting: str, row: str, seed: int) -> Job:
+    name, client, *server = row.split("+")
+    return Job(setting, VARIANTS[name], MOMENTUM if client == "momentum" else 0.0, seed,
+               server=server[0] if server else "")
+
+
+def rows_of(phase: str, best: str) -> list[str]:
+    if phase == "sgd":
+        return [f"{name}+sgd" for name in VARIANTS]
+    if phase == "momentum":
+        return [f"{name}+momentum" for name in VARIANTS]
+    return [f"{row}+{server}" for row in dict.fromkeys([best, "fedavg+sgd"]) for server in SERVERS]
+
+
+def plan(phase: str, best: str) -> list[Job]:
+    """This phase's runs, seed by seed, the cheap settings' runs first."""
+    rows = rows_of(phase, best)
+    return [job(setting, row, seed) for seed in SEEDS for setting in CHEAP + [HEADLINE] for row in rows]
+
+
+def cached(jobs: list[Job]) -> list[dict]:
+    return [json.loads(j.path.read_text()) for j in jobs if j.path.exists()]
+
+
+def every_cached_job() -> list[Job]:
+    rows = rows_of("sgd", "") + rows_of("momentum", "") + [
+        f"{row}+{server}" for row in rows_of("sgd", "") for server in SERVERS]
+    return [job(setting, row, seed) for setting in SETTINGS for row in rows for seed in SEEDS]
+
+
+def best_headline_row(records: list[dict]) -> str:
+    """The best SGD row on the headline setting by mean final accuracy (the default's row until measured)."""
+    table = summarize(records).get(HEADLINE, {})
+    rows = {r: v for r, v in table.items() if r.endswith("+sgd") and len(v["final_accuracy"]) == len(SEEDS)}
+    if not rows:
+        return f"{DEFAULT.name}+sgd"
+    return max(rows, key=lambda r: sum(rows[r]["final_accuracy"]) / len(rows[r]["final_accuracy"]))
+
+
+def report() -> dict:
+    records = cached(every_cached_job())
+    table = summarize(records)
+    choice = choose(table, SETTINGS, len(SEEDS))
+    from broker_coordinator.settings.round_settings import RoundSettings
+    shipped = RoundSettings()
+    commits = sorted({r.get("commit", "unknown") for r in records})
+    measured = provenance.measured_with(
+        provenance.invoked(), {k: v for k, v in provenance.deciding(shipped).items()
+                               if k not in ("algorithm", "momentum", "server_optimizer", "server_lr")},
+        varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM], "server_optimizer": ["sgd", *SERVERS]},
+        data={s: s for s in SETTINGS}, seeds=list(SEEDS), round_timeout=ROUND_TIMEOUT,
+        fleet={s: fleet_spec(20 if s != SYNTHETIC else 30) for s in SETTINGS}, transport="in process (bench/inmemory.py)",
+        run_commits=commits, runs="cached in bench/results/algorithms_runs/: a cached run may come from older code")
+    path = RESULTS / "field.json"
+    field = json.loads(path.read_text()) if path.exists() else {}
+    field.update({"settings": table, "choice": choice, "settings_measured_with": measured})
+    path.write_text(json.dumps(field, indent=1) + "\n")
+    (RESULTS / "field_settings.md").write_text(markdown(table, choice, SETTINGS, measured))
+    return choice
+
+
+def run(jobs: list[Job], workers: int) -> None:
+    todo = [j for j in jobs if not j.path.exists()]
+    print(f"{len(jobs)} runs, {len(todo)} to do, {workers} worker(s)", flush=True)
+    with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=4) as pool:
+        for _ in pool.imap_unordered(run_job, todo):
+            report()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, in order: {', '.join(PHASES)}")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--report", action="store_true", help="only rebuild the report from the cached runs")
+    args = p.parse_args(argv)
+    phases = [x for x in args.phases.split(",") if x]
+    wrong = set(phases) - set(PHASES)
+    if wrong:
+        p.error(f"--phases: unknown {', '.join(sorted(wrong))}; choose from {', '.join(PHASES)}")
+    if not args.report:
+        for phase in phases:
+            best = best_headline_row(cached(every_cached_job()))
+            print(f"phase {phase} (best headline row so far: {best})", flush=True)
+            run(plan(phase, best), args.workers)
+    choice = report()
+    print((RESULTS / "field_settings.md").read_text())
+    return 0 if choice.get("row") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The cross-settings field report (bench/field_settings.py): rows per setting from the cached runs,
+the default chosen by its worst case across the settings, the issue's targets, and the markdown."""
+
+from __future__ import annotations
+
+import statistics
+
+MAX_PASSES = 1.3  # a candidate makes at most this many of FedAvg's local passes, on every setting
+STABLE_WITHIN = 1.0  # points: no row's final accuracy this far below its own best, in any seed
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def row_key(record: dict) -> str:
+    client = "momentum" if record["momentum"] else "sgd"
+    server = record.get("deciding", {}).get("server_optimizer", "sgd")
+    return f"{record['variant']}+{client}" + ("" if server == "sgd" else f"+{server}")
+
+
+def client_of(row: str) -> str:
+    return row.split("+")[1]
+
+
+def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
+    """{setting: {row: final and best accuracy per seed (%), the worst final-minus-best, passes}}."""
+    grouped: dict[str, dict[str, list[dict]]] = {}
+    for r in sorted(records, key=lambda r: r["seed"]):
+        grouped.setdefault(r["setting"], {}).setdefault(row_key(r), []).append(r)
+    table: dict[str, dict[str, dict]] = {}
+    for setting, rows in sorted(grouped.items()):
+        out = table.setdefault(setting, {})
+        for row, runs in sorted(rows.items()):
+            finals = [round(100 * r["accuracy"][-1], 2) for r in runs]
+            bests = [round(100 * max(r["accuracy"]), 2) for r in runs]
+            passes = mean([mean([m["passes"] for rnd in r["signals"] for m in rnd.values() if "passes" in m])
+                           for r in runs])
+            out[row] = {"seeds": [r["seed"] for r in runs], "final_accuracy": finals, "best_accuracy": bests,
+                        "final_minus_best_worst": round(min(f - b for f, b in zip(finals, bests)), 2),
+                        "passes": round(passes, 2), "commits": sorted({r.get("commit", "?") for r in runs})}
+        for row, value in out.items():
+            ref = out.get(f"fedavg+{client_of(row)}")
+            value["passes_vs_fedavg"] = round(value["passes"] / ref["passes"], 3) if ref else None
+    return table
+
+
+def choose(table: dict[str, dict[str, dict]], settings: list[str], seeds: int) -> dict:
+    """The row with the best worst case across `settings`: the smallest over the settings of its mean final
+    accuracy minus FedAvg's (same client optimizer), among rows with every seed on every setting and at
+    most MAX_PASSES x FedAvg's passes on each. Also every candidate's margins, so the table can show why."""
+    margins: dict[str, dict[str, float]] = {}
+    for row in sorted(set.intersection(*(set(table.get(s, {})) for s in settings)) if settings else []):
+        per = {}
+        for s in settings:
+            value, ref = table[s][row], table[s].get(f"fedavg+{client_of(row)}")
+            if len(value["seeds"]) < seeds or not ref or len(ref["seeds"]) < seeds:
+                break
+            if value["passes_vs_fedavg"] is None or value["passes_vs_fedavg"] > MAX_PASSES:
+                break
+            per[s] = round(mean(value["final_accuracy"]) - mean(ref["final_accuracy"]), 2)
+        else:
+            margins[row] = per
+    if not margins:
+        return {"row": None, "why": "no row has every seed on every setting yet", "margins": {}}
+    best = max(margins, key=lambda r: (min(margins[r].values()), mean(list(margins[r].values()))))
+    return {"row": best, "worst_case_vs_fedavg": min(margins[best].values()), "margins": margins,
+            "rule": f"best worst case over {', '.join(settings)} of (mean final - FedAvg's, same client "
+                    f"optimizer), {seeds} seeds, at most {MAX_PASSES}x FedAvg's passes on every setting"}
+
+
+def targets(table: dict[str, dict[str, dict]], row: str, headline: str) -> list[str]:
+    lines = []
+    for setting, rows in table.items():
+        if row in rows and f"fedavg+{client_of(row)}" in rows:
+            gap = mean(rows[row]["final_accuracy"]) - mean(rows[f"fedavg+{client_of(row)}"]["final_accuracy"])
+            need = 2.0 if setting == headline else 0.0
+            lines.append(f"- {setting}: {row} vs fedavg+{client_of(row)}: {gap:+.2f} points "
+                         f"(target >= +{need:.1f}): **{'met' if gap >= need else 'missed'}**")
+    head = table.get(headline, {})
+    others = {r: v for r, v in head.items() if r != row and not r.startswith("fedavg+")}
+    if row in head and others:
+        rival = max(others, key=lambda r: mean(others[r]["final_accuracy"]))
+        gap = mean(head[row]["final_accuracy"]) - mean(others[rival]["final_accuracy"])
+        lines.append(f"- {headline}: vs the best other row {rival}: {gap:+.2f} points (target >= +0.5): "
+                     f"**{'met' if gap >= 0.5 else 'missed'}**")
+    unstable = [(s, r, v["final_minus_best_worst"]) for s, rows in table.items() for r, v in rows.items()
+                if v["final_minus_best_worst"] < -STABLE_WITHIN]
+    lines.append(f"- rows ending more than {STABLE_WITHIN:g} point below their own best in some seed: "
+                 + (", ".join(f"{r} on {s} ({d:+.2f})" for s, r, d in unstable) if unstable else "none")
+                 + f" (target: none): **{'missed' if unstable else 'met'}**")
+    return lines
+
+
+def _fmt(values: list[float]) -> str:
+    return f"{mean(values):.2f} +- {statistics.stdev(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+
+def markdown(table: dict[str, dict[str, dict]], choice: dict, settings: list[str], measured: dict) -> str:
+    from broker_coordinator.settings.round_settings import RoundSettings
+    shipped = RoundSettings()
+    runtime_row = f"{shipped.algorithm}+{'momentum' if shipped.momentum else 'sgd'}" + (
+        "" if shipped.server_optimizer == "sgd" else f"+{shipped.server_optimizer}")
+    lines = ["# The default across settings", "",
+             "`python -m bench.field_settings` (bench/field_settings.py): the shipped engine in process "
+             "(bench/inmemory.py), the default codec, fold and device-chosen epochs on the demo's fleet mix "
+             f"with a {measured['round_timeout']:g} s deadline; final accuracy in %, mean +- std over the seeds. "
+             f"Runs from commits {', '.join(measured['run_commits'])}.", ""]
+    for setting in settings:
+        rows = table.get(setting, {})
+        lines += [f"## {setting}", "", "| row | seeds | final | best | final - best (worst seed) | passes vs fedavg |",
+                  "|---|---|---|---|---|---|"]
+        for row in sorted(rows, key=lambda r: -mean(rows[r]["final_accuracy"])):
+            v = rows[row]
+            lines.append(f"| {row} | {','.join(map(str, v['seeds']))} | {_fmt(v['final_accuracy'])} | "
+                         f"{_fmt(v['best_accuracy'])} | {v['final_minus_best_worst']:+.2f} | "
+                         f"{v['passes_vs_fedavg'] if v['passes_vs_fedavg'] is not None else '-'}x |")
+        lines.append("")
+    lines += ["## The choice", "", f"Rule: {choice.get('rule', choice.get('why'))}.", ""]
+    if choice["margins"]:
+        lines += ["| row | " + " | ".join(settings) + " | worst |", "|---|" + "---|" * (len(settings) + 1)]
+        for row, per in sorted(choice["margins"].items(), key=lambda kv: -min(kv[1].values())):
+            lines.append(f"| {row} | " + " | ".join(f"{per[s]:+.2f}" for s in settings) + f" | {min(per.values()):+.2f} |")
+        lines += ["", f"Chosen: **{choice['row']}** (worst case {choice['worst_case_vs_fedavg']:+.2f} points "
+                      f"against FedAvg). Shipped default: `{runtime_row}`.", ""]
+    lines += [f"Targets for the shipped default `{runtime_row}`:", ""]
+    lines += targets(table, runtime_row, settings[0])
+    return "\n".join(lines) + "\n"
