@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, pi-check, service-check.
+# field, field-settings, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, pi-check, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
@@ -27,16 +27,20 @@ EXTRAS ?= $(if $(ARM)$(filter system,$(TORCH)),,[dev])
 # (broker_coordinator/simulation/fleet.py); without root, simulate says what is missing and runs without
 DEMO_FLEET ?= zero2w:2,pi3:2,pi4:4,pi5:2
 FIELD_ARGS ?=
+FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: privacy composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-quick spool buffered downlink dist torch-debian
+.PHONY: privacy composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
 
 field: setup mosquitto
 	nice -n 5 $(BIN)/python -m bench.field $(FIELD_ARGS)
+
+field-settings: setup  # bench/results/field_settings.md and field.json's "settings" and "choice" (in process; hours on 2 cores, resumable)
+	nice -n 5 $(BIN)/python -m bench.field_settings $(FIELD_SETTINGS_ARGS)
 
 field-quick: setup mosquitto
 	nice -n 5 $(BIN)/python -m bench.field --quick $(FIELD_ARGS)

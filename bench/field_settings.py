@@ -36,7 +36,7 @@ import multiprocessing
 import sys
 
 from . import provenance
-from .algorithm_jobs import MOMENTUM, RESULTS, RUNS, Job
+from .algorithm_jobs import MOMENTUM, RESULTS, Job
 from .algorithms import BASELINES, DEFAULT, ROUND_TIMEOUT, fleet_spec, run_job
 from .field_settings_report import MAX_PASSES, choose, markdown, summarize
 from .settings import DIGITS_LABEL_SKEW, HEADLINE, SYNTHETIC

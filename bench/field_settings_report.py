@@ -7,6 +7,7 @@ import statistics
 
 MAX_PASSES = 1.3  # a candidate makes at most this many of FedAvg's local passes, on every setting
 STABLE_WITHIN = 1.0  # points: no row's final accuracy this far below its own best, in any seed
+SERVED_DECAY = "0.75"  # the served moving average shown beside (bench/algorithms_report.py's choice)
 
 
 def mean(values: list[float]) -> float:
@@ -36,9 +37,14 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
             bests = [round(100 * max(r["accuracy"]), 2) for r in runs]
             passes = mean([mean([m["passes"] for rnd in r["signals"] for m in rnd.values() if "passes" in m])
                            for r in runs])
+            served = [r["ema_accuracy"][SERVED_DECAY] for r in runs if SERVED_DECAY in r.get("ema_accuracy", {})]
             out[row] = {"seeds": [r["seed"] for r in runs], "final_accuracy": finals, "best_accuracy": bests,
                         "final_minus_best_worst": round(min(f - b for f, b in zip(finals, bests)), 2),
-                        "passes": round(passes, 2), "commits": sorted({r.get("commit", "?") for r in runs})}
+                        "passes": round(passes, 2), "commits": sorted({r.get("commit", "?") for r in runs}),
+                        # serve_average = 0.75 (evaluated beside, never fed back): final, and final - its best
+                        "served_final": [round(100 * c[-1], 2) for c in served],
+                        "served_final_minus_best_worst": round(min(100 * (c[-1] - max(c)) for c in served), 2)
+                        if served else None}
         for row, value in out.items():
             ref = out.get(f"fedavg+{client_of(row)}")
             value["passes_vs_fedavg"] = round(value["passes"] / ref["passes"], 3) if ref else None
@@ -101,28 +107,31 @@ def markdown(table: dict[str, dict[str, dict]], choice: dict, settings: list[str
     shipped = RoundSettings()
     runtime_row = f"{shipped.algorithm}+{'momentum' if shipped.momentum else 'sgd'}" + (
         "" if shipped.server_optimizer == "sgd" else f"+{shipped.server_optimizer}")
-    lines = ["# The default across settings", "",
-             "`python -m bench.field_settings` (bench/field_settings.py): the shipped engine in process "
+    intro = ("`python -m bench.field_settings` (bench/field_settings.py): the shipped engine in process "
              "(bench/inmemory.py), the default codec, fold and device-chosen epochs on the demo's fleet mix "
              f"with a {measured['round_timeout']:g} s deadline; final accuracy in %, mean +- std over the seeds. "
-             f"Runs from commits {', '.join(measured['run_commits'])}.", ""]
+             f"Runs from commits {', '.join(measured['run_commits'])}.")
+    lines = ["# The default across settings", "", intro, ""]
     for setting in settings:
         rows = table.get(setting, {})
-        lines += [f"## {setting}", "", "| row | seeds | final | best | final - best (worst seed) | passes vs fedavg |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"## {setting}", "", "| row | seeds | final | best | final - best (worst seed) | passes vs fedavg "
+                  f"| served avg {SERVED_DECAY}: final | its final - best (worst seed) |", "|---|---|---|---|---|---|---|---|"]
         for row in sorted(rows, key=lambda r: -mean(rows[r]["final_accuracy"])):
             v = rows[row]
             lines.append(f"| {row} | {','.join(map(str, v['seeds']))} | {_fmt(v['final_accuracy'])} | "
                          f"{_fmt(v['best_accuracy'])} | {v['final_minus_best_worst']:+.2f} | "
-                         f"{v['passes_vs_fedavg'] if v['passes_vs_fedavg'] is not None else '-'}x |")
+                         f"{v['passes_vs_fedavg'] if v['passes_vs_fedavg'] is not None else '-'}x | "
+                         + (f"{_fmt(v['served_final'])} | {v['served_final_minus_best_worst']:+.2f} |"
+                            if v.get("served_final") else "- | - |"))
         lines.append("")
     lines += ["## The choice", "", f"Rule: {choice.get('rule', choice.get('why'))}.", ""]
     if choice["margins"]:
         lines += ["| row | " + " | ".join(settings) + " | worst |", "|---|" + "---|" * (len(settings) + 1)]
         for row, per in sorted(choice["margins"].items(), key=lambda kv: -min(kv[1].values())):
             lines.append(f"| {row} | " + " | ".join(f"{per[s]:+.2f}" for s in settings) + f" | {min(per.values()):+.2f} |")
-        lines += ["", f"Chosen: **{choice['row']}** (worst case {choice['worst_case_vs_fedavg']:+.2f} points "
-                      f"against FedAvg). Shipped default: `{runtime_row}`.", ""]
+        chosen = (f"Chosen: **{choice['row']}** (worst case {choice['worst_case_vs_fedavg']:+.2f} points "
+                  f"against FedAvg). Shipped default: `{runtime_row}`.")
+        lines += ["", chosen, ""]
     lines += [f"Targets for the shipped default `{runtime_row}`:", ""]
     lines += targets(table, runtime_row, settings[0])
     return "\n".join(lines) + "\n"
