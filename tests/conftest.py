@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 
 import paho.mqtt.client as mqtt
@@ -43,11 +44,22 @@ class Recorder:
         self.client = client
         self.messages: list[tuple[str, bytes]] = []
         self.received = threading.Event()
+        self._arrived = threading.Condition()
         client.on_message = self._on_message
 
     def _on_message(self, client, userdata, msg) -> None:  # noqa: ANN001
-        self.messages.append((msg.topic, msg.payload))
-        self.received.set()
+        with self._arrived:
+            self.messages.append((msg.topic, msg.payload))
+            self.received.set()
+            self._arrived.notify_all()
+
+    def wait_for(self, topic: str, payload: bytes, within: float = 10.0) -> None:
+        """Until (topic, payload) has arrived. Mosquitto queues a subscriber's messages in the order it took
+        them in, so whatever a client had published (and seen acknowledged) before this message reached
+        this subscriber first, or never will: absence can be asserted after it without sleeping."""
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: (topic, payload) in self.messages, within), \
+                f"{payload!r} on {topic} did not arrive within {within} s (got {self.messages})"
 
     def subscribe(self, topic: str) -> None:
         done = threading.Event()
@@ -58,6 +70,16 @@ class Recorder:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+
+
+def flush(publisher: Recorder, observer: Recorder, topic: str) -> None:
+    """`publisher` sends a fresh marker on `topic` (which `observer` reads) and waits until `observer` has it,
+    then forgets it: every message acknowledged to anyone before has then reached `observer`, or never will."""
+    marker = f"marker-{uuid.uuid4().hex}".encode()
+    publisher.client.publish(topic, marker, qos=1).wait_for_publish(5)
+    observer.wait_for(topic, marker)
+    with observer._arrived:
+        observer.messages.remove((topic, marker))
 
 
 @pytest.fixture

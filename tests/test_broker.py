@@ -1,7 +1,5 @@
 """The generated Mosquitto config, against a real broker: auth and ACL."""
 
-import time
-
 import pytest
 
 from broker_coordinator.access.broker import BrokerError, hash_password
@@ -9,7 +7,7 @@ from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol import topics
 from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 
-from .conftest import FEDERATION
+from .conftest import FEDERATION, flush
 
 
 def test_password_hash_has_mosquitto_format():
@@ -35,14 +33,16 @@ def test_device_cannot_read_another_devices_task_or_write_its_update(mqtt_client
     a, b = mqtt_client("dev-a"), mqtt_client("dev-b")
     coordinator.subscribe(topics.all_updates(FEDERATION))
     a.subscribe(topics.task(FEDERATION, "dev-b"))  # denied by the ACL (SUBACK still arrives)
+    a.subscribe(topics.task(FEDERATION, "dev-a"))  # its own: where the marker below reaches it
     b.subscribe(topics.task(FEDERATION, "dev-b"))
 
     coordinator.client.publish(topics.task(FEDERATION, "dev-b"), b"task-for-b", qos=1).wait_for_publish(5)
     a.client.publish(topics.update(FEDERATION, "dev-b"), b"forged", qos=1).wait_for_publish(5)
     a.client.publish(topics.update(FEDERATION, "dev-a"), b"genuine", qos=1).wait_for_publish(5)
 
-    assert b.received.wait(5) and coordinator.received.wait(5)
-    time.sleep(0.5)  # let any (wrongly) routed message arrive before asserting absence
+    b.wait_for(topics.task(FEDERATION, "dev-b"), b"task-for-b")
+    coordinator.wait_for(topics.update(FEDERATION, "dev-a"), b"genuine")  # sent after the forged one
+    flush(coordinator, a, topics.task(FEDERATION, "dev-a"))  # sent after the task for b
     assert b.messages == [(topics.task(FEDERATION, "dev-b"), b"task-for-b")]
     assert a.messages == []
     assert coordinator.messages == [(topics.update(FEDERATION, "dev-a"), b"genuine")]
@@ -98,9 +98,11 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
         assert receiver.received.wait(5) and len(receiver.messages[0][1]) == largest
         device.client.publish(topics.update(FIELD, "dev-a"), b"x" * (limit + 1), qos=1)
         assert dropped.wait(5), "the broker accepted a packet over max_packet_size"
-        time.sleep(0.3)
-        assert len(receiver.messages) == 1
         device.client.loop_stop()
+        again = session(server, "dev-a", password)  # a marker after the refused packet, from the same device
+        flush(again, receiver, topics.update(FIELD, "dev-a"))
+        again.close()
+        assert len(receiver.messages) == 1
         receiver.close()
     finally:
         stop_server(server)

@@ -20,7 +20,7 @@ from broker_coordinator.access.registry import Registry
 from edgefl_protocol import topics
 from edgefl_protocol.transport import BrokerUnavailable, connect, make_client
 
-from .conftest import Recorder
+from .conftest import Recorder, flush
 from .operator_fixtures import FEDERATION, server  # noqa: F401 - fixture
 
 PUB = shutil.which("mosquitto_pub")
@@ -163,8 +163,8 @@ def test_admin_tools_do_not_kick_the_coordinator(server):
         coordinator.client.publish(topics.status(FEDERATION, "dev-b"), b"up", qos=1, retain=True).wait_for_publish(5)
         admin.subscribe(f"{topics.ROOT}/{FEDERATION}/#")
         admin.client.publish(topics.task(FEDERATION, "dev-b"), b"forged", qos=1, retain=True).wait_for_publish(5)
-        assert admin.received.wait(5)
-        time.sleep(0.5)
+        admin.wait_for(topics.status(FEDERATION, "dev-b"), b"up")
+        flush(coordinator, admin, topics.status(FEDERATION, "dev-c"))  # after the forged task
         assert admin.messages == [(topics.status(FEDERATION, "dev-b"), b"up")]
         admin.close()
     finally:
@@ -182,10 +182,7 @@ def test_devices_read_the_models_and_nothing_more(server):
         a.subscribe(topics.models(FEDERATION))
         a.subscribe(topics.model_chunks(FEDERATION, 3))
         a.client.publish(topics.model(FEDERATION, 4), b"forged model", qos=1, retain=True).wait_for_publish(5)
-        give_up = time.monotonic() + 5
-        while len(a.messages) < 2 and time.monotonic() < give_up:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        flush(coordinator, a, topics.model(FEDERATION, 5))  # after the retained models and the forged one
         assert sorted(a.messages) == [(topics.model(FEDERATION, 3), b"model"),
                                       (topics.model_chunk(FEDERATION, 3, 0), b"model")]
     finally:
@@ -208,8 +205,9 @@ def test_device_cannot_write_anothers_update_nor_read_its_task_with_paho(server)
         a.client.publish(topics.update(FEDERATION, "dev-b"), b"forged", qos=1).wait_for_publish(5)
         a.client.publish(topics.update(FEDERATION, "dev-a"), b"genuine", qos=1).wait_for_publish(5)
 
-        assert b.received.wait(5) and coordinator.received.wait(5)
-        time.sleep(0.5)  # give a wrongly routed message the time to arrive before asserting absence
+        b.wait_for(topics.task(FEDERATION, "dev-b"), b"task-for-b")
+        coordinator.wait_for(topics.update(FEDERATION, "dev-a"), b"genuine")  # sent after the forged one
+        flush(coordinator, a, topics.task(FEDERATION, "dev-a"))  # a's own task (the wildcard): after b's
         assert b.messages == [(topics.task(FEDERATION, "dev-b"), b"task-for-b")]
         assert a.messages == []
         assert coordinator.messages == [(topics.update(FEDERATION, "dev-a"), b"genuine")]
@@ -237,8 +235,7 @@ def test_device_cannot_write_anothers_update_nor_read_its_task_with_mosquitto_to
              server=server)
         tool(PUB, "-u", "dev-a", "-P", pa, "-q", "1", "-t", topics.update(FEDERATION, "dev-a"), "-m", "genuine",
              server=server)
-        assert coordinator.received.wait(5)
-        time.sleep(0.5)
+        coordinator.wait_for(topics.update(FEDERATION, "dev-a"), b"genuine")  # published after the forged one
         assert coordinator.messages == [(topics.update(FEDERATION, "dev-a"), b"genuine")]
     finally:
         coordinator.close()
