@@ -18,7 +18,8 @@ frozen for random periods from the seed).
 
 Every finished run is cached in bench/results/field_runs/<row>/seed<N>.json
 (history and settings; resumable: a cached run is never repeated). The report
-writes bench/results/field.json (the issue's schema), field.md and field.png;
+writes the "fleet" part of bench/results/field.json (whose other parts bench/field_settings.py writes),
+field.md and field.png;
 --quick writes field_quick.* beside them.
 """
 
@@ -258,11 +259,12 @@ def report(runs: Path, rounds: int, stem: str) -> dict:
         partition=f"bench/data/{PARTITION_FILE.name}", seeds_per_row={row: r["seeds"] for row, r in out_runs.items()},
         runs=f"cached in {os.path.relpath(runs, PROJECT_ROOT)}/: a cached run may come from older code than this commit")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    previous = RESULTS / f"{stem}.json"
-    if previous.exists():  # bench/field_settings.py's part of field.json stays as it wrote it
-        kept = json.loads(previous.read_text())
-        result.update({k: kept[k] for k in ("settings", "choice", "settings_measured_with") if k in kept})
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    path = RESULTS / f"{stem}.json"
+    if stem == "field":  # field.json is bench/field_settings.py's; these runs are its "fleet" part
+        whole = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**whole, "fleet": result}, indent=1) + "\n")
+    else:
+        path.write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / f"{stem}_details.json").write_text(
         json.dumps({**details, "measured_with": result["measured_with"]}) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(result, details))

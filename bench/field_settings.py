@@ -19,7 +19,8 @@ every run, so the job can be stopped and resumed at any time.
     python -m bench.field_settings --phases sgd      # the SGD rows only
     python -m bench.field_settings --report          # rebuild from the cache
 
-Writes bench/results/field_settings.md and the "settings" and "choice" parts of field.json.
+Writes bench/results/field_settings.md and field.json (its "fleet" part is `python -m bench.field`'s
+runs through `simulate`, kept as that writes it).
 The choice is the row with the best worst case (its mean final accuracy minus FedAvg's with the same
 client optimizer, the smallest over the settings), among rows run on every setting with every seed at
 no more than 1.3x FedAvg's local passes on any setting.
@@ -111,7 +112,12 @@ def report() -> dict:
         run_commits=commits, runs="cached in bench/results/algorithms_runs/: a cached run may come from older code")
     path = RESULTS / "field.json"
     field = json.loads(path.read_text()) if path.exists() else {}
-    field.update({"settings": table, "choice": choice, "settings_measured_with": measured})
+    if "runs" in field:  # the file as bench/field.py wrote it alone: its runs become the "fleet" part
+        field = {"fleet": field}
+    default = {"algorithm": shipped.algorithm, "optimizer": "momentum" if shipped.momentum else "sgd",
+               "server_optimizer": shipped.server_optimizer, "codec": shipped.codec,
+               "local_epochs": shipped.local_epochs}
+    field.update({"measured_with": measured, "default": default, "settings": table, "choice": choice})
     path.write_text(json.dumps(field, indent=1) + "\n")
     (RESULTS / "field_settings.md").write_text(markdown(table, choice, SETTINGS, measured))
     return choice

@@ -157,9 +157,9 @@ DERIVED = {  # numbers the docs quote that the files hold only in parts
     # "all N cells": N ok, and no cell that was not
     "cells_ok": lambda d: sum(c["ok"] for c in d["cells"]) if all(c["ok"] for c in d["cells"]) else -1,
     "refused_count": lambda d: len(d["refused"]),
-    "default_final_mean": lambda d: sum(d["runs"]["dynsam+sgd"]["final_accuracy"]) / 2,
-    "default_vs_fedavg": lambda d: (sum(d["runs"]["dynsam+sgd"]["final_accuracy"])
-                                    - sum(d["runs"]["fedavg+sgd"]["final_accuracy"])) / 2,
+    "default_final_mean": lambda d: sum(d["fleet"]["runs"]["dynsam+sgd"]["final_accuracy"]) / 2,
+    "default_vs_fedavg": lambda d: (sum(d["fleet"]["runs"]["dynsam+sgd"]["final_accuracy"])
+                                    - sum(d["fleet"]["runs"]["fedavg+sgd"]["final_accuracy"])) / 2,
     "headline_mean/dynsam": lambda d: headline_mean(d, "dynsam"),
     "headline_vs/dynsam/fedavg": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedavg"),
     "headline_vs/dynsam/fedsmoo": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedsmoo"),
