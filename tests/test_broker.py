@@ -106,3 +106,22 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
         receiver.close()
     finally:
         stop_server(server)
+
+
+def test_a_picked_port_another_process_binds_first_is_replaced(tmp_path, monkeypatch):
+    """Under parallel tests a free port can be bound by another broker between the pick and mosquitto's bind;
+    before, the port answered for the other broker while this one had exited. Now a fresh port is picked."""
+    from broker_coordinator.access.broker import free_port
+    from broker_coordinator.simulation import private_broker
+
+    with PrivateBroker(tmp_path / "holder", FEDERATION) as holder:
+        picks = iter([holder.port])
+        monkeypatch.setattr(private_broker, "free_port", lambda host: next(picks, None) or free_port(host))
+        second = PrivateBroker(tmp_path / "second", FEDERATION)
+        password = second.add_user("dev-x")
+        with second:
+            assert second.port != holder.port and second.process.poll() is None
+            client = make_client("dev-x", "dev-x", password)
+            connect(client, second.host, second.port, timeout=5)  # its own users: this broker, not the holder
+            client.disconnect()
+            client.loop_stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from broker_coordinator.access.broker import (
 from broker_coordinator.simulation.processes import stop_processes
 from edgefl_protocol import topics
 from edgefl_protocol.persist import atomic_write
+
+
+PORT_TRIES = 5  # fresh ports tried when the one picked is taken before mosquitto binds it
 
 
 @dataclass
@@ -56,7 +60,19 @@ class PrivateBroker:
         if self.port and port_in_use(self.port, self.host):
             raise BrokerError(f"port {self.port} on {self.host} is already in use: choose another with --broker-port, "
                               "or 0 for a free one")
-        self.port = self.port or free_port(self.host)
+        picked = not self.port  # a port we pick is free when picked; another process can bind it before mosquitto
+        for attempt in range(1, PORT_TRIES + 1):
+            if picked:
+                self.port = free_port(self.host)
+            try:
+                self._launch(binary)
+                return self
+            except BrokerError as exc:
+                if not picked or attempt == PORT_TRIES or "Address already in use" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _launch(self, binary: str) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         passwd, acl, conf = self.workdir / "passwd", self.workdir / "acl", self.workdir / "mosquitto.conf"
         _write_private(passwd, render_password_file(self.users))
@@ -64,6 +80,7 @@ class PrivateBroker:
         run_as = _current_user() if os.geteuid() == 0 else None
         _write_private(conf, render_config(self.port, passwd, acl, self.max_packet_size, self.host, run_as,
                                                 max(self.max_queued_messages, 2 * len(self.users)))
+                       + "log_type information\n"  # its "running" line: this process, not another, listens
                        + self.extra_conf)
         log = self.workdir / "mosquitto.log"
         with open(log, "wb") as out:
@@ -71,10 +88,25 @@ class PrivateBroker:
                                             stdin=subprocess.DEVNULL)
         try:
             wait_for_port(self.port, self.process, log, host=self.host)
+            self._wait_until_running(log)  # the port may answer for another broker while this one fails
         except BaseException:
             self.stop()
             raise
-        return self
+
+    def _wait_until_running(self, log: Path, timeout: float = 15.0) -> None:
+        """Until mosquitto logs that it runs (after opening its listeners), or raise if it exits first."""
+        assert self.process is not None
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            text = log.read_text(errors="replace")
+            if self.process.poll() is not None or " running" in text:
+                break
+            time.sleep(0.02)
+        if self.process.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise BrokerError(f"mosquitto exited with code {self.process.returncode}: {' | '.join(tail) or 'no output'}")
+        if " running" not in log.read_text(errors="replace"):
+            raise BrokerError(f"mosquitto did not report running within {timeout:.0f} s (log: {log})")
 
     def stop(self) -> None:
         if self.process:
