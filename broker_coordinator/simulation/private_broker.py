@@ -26,7 +26,6 @@ from broker_coordinator.simulation.processes import stop_processes
 from edgefl_protocol import topics
 from edgefl_protocol.persist import atomic_write
 
-
 PORT_TRIES = 5  # fresh ports tried when the one picked is taken before mosquitto binds it
 
 
