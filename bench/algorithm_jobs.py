@@ -34,7 +34,8 @@ class Job:
 
     @property
     def key(self) -> str:
-        return self.variant.name + ("+momentum" if self.momentum else "") + (f"+{self.server}" if self.server else "")
+        # "server-" keeps a server optimizer's name apart from the client's momentum ("dynsam+momentum")
+        return self.variant.name + ("+momentum" if self.momentum else "") + (f"+server-{self.server}" if self.server else "")
 
     @property
     def path(self) -> Path:
