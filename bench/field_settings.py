@@ -12,7 +12,7 @@ A row is ALGORITHM+CLIENT[+SERVER]: CLIENT sgd or momentum (0.9), SERVER a [roun
 at its default rate. The runs are made in the order that decides the default first: every algorithm
 with SGD; the best headline row within the passes budget with each server optimizer; every algorithm
 with momentum; FedAvg with each server optimizer (on the cheap settings already in the server phase).
-A server optimizer's headline row gets seeds 2-3 only if its seed 1 ended within SCREEN_POINTS of the
+A server optimizer's headline row gets seeds 2-3 only if its seed 1 ended within 5 points of the
 row without it. Each finished run is cached (bench/results/algorithms_runs/,
 shared with bench/algorithms.py, so its headline runs count here) and the report is rebuilt after
 every run, so the job can be stopped and resumed at any time.
@@ -154,7 +154,7 @@ def run(jobs: list[Job], workers: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, in order: {', '.join(PHASES)}")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="runs at a time (default 2: one per core here)")
     p.add_argument("--report", action="store_true", help="only rebuild the report from the cached runs")
     args = p.parse_args(argv)
     phases = [x for x in args.phases.split(",") if x]
