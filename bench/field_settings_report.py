@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import statistics
 
+from .field_report import mean
+
 MAX_PASSES = 1.3  # a candidate makes at most this many of FedAvg's local passes, on every setting
 STABLE_WITHIN = 1.0  # points: no row's final accuracy this far below its own best, in any seed
 SERVED_DECAY = "0.75"  # the served moving average shown beside (bench/algorithms_report.py's choice)
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def row_key(record: dict) -> str:

@@ -53,13 +53,15 @@ class Recorder:
             self.received.set()
             self._arrived.notify_all()
 
-    def wait_for(self, topic: str, payload: bytes, within: float = 10.0) -> None:
+    def wait_for(self, topic: str, payload: bytes, within: float = 10.0, forget: bool = False) -> None:
         """Until (topic, payload) has arrived. Mosquitto queues a subscriber's messages in the order it took
         them in, so whatever a client had published (and seen acknowledged) before this message reached
         this subscriber first, or never will: absence can be asserted after it without sleeping."""
         with self._arrived:
             assert self._arrived.wait_for(lambda: (topic, payload) in self.messages, within), \
                 f"{payload!r} on {topic} did not arrive within {within} s (got {self.messages})"
+            if forget:  # a marker, not one of the messages the test asserts on
+                self.messages.remove((topic, payload))
 
     def subscribe(self, topic: str) -> None:
         done = threading.Event()
@@ -77,9 +79,7 @@ def flush(publisher: Recorder, observer: Recorder, topic: str) -> None:
     then forgets it: every message acknowledged to anyone before has then reached `observer`, or never will."""
     marker = f"marker-{uuid.uuid4().hex}".encode()
     publisher.client.publish(topic, marker, qos=1).wait_for_publish(5)
-    observer.wait_for(topic, marker)
-    with observer._arrived:
-        observer.messages.remove((topic, marker))
+    observer.wait_for(topic, marker, forget=True)
 
 
 @pytest.fixture

@@ -211,14 +211,19 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+def exited(process: subprocess.Popen, log: Path) -> BrokerError:
+    """The error for a mosquitto that exited: its code and the last lines of its log."""
+    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+    return BrokerError(f"mosquitto exited with code {process.returncode}: {' | '.join(tail) or 'no output'}")
+
+
 def wait_for_port(port: int, process: subprocess.Popen, log: Path, timeout: float = 15.0,
                   host: str = "127.0.0.1") -> None:
     """Poll until the broker accepts TCP connections; fail early if it exits."""
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
         if process.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-            raise BrokerError(f"mosquitto exited with code {process.returncode}: {' | '.join(tail) or 'no output'}")
+            raise exited(process, log)
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return

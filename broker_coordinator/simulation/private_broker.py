@@ -14,13 +14,13 @@ from pathlib import Path
 from broker_coordinator.access.broker import (
     COORDINATOR_USER,
     BrokerError,
+    exited,
     find_mosquitto,
     free_port,
     port_in_use,
     render_acl,
     render_config,
     render_password_file,
-    wait_for_port,
 )
 from broker_coordinator.simulation.processes import stop_processes
 from edgefl_protocol import topics
@@ -86,26 +86,23 @@ class PrivateBroker:
             self.process = subprocess.Popen([binary, "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
         try:
-            wait_for_port(self.port, self.process, log, host=self.host)
-            self._wait_until_running(log)  # the port may answer for another broker while this one fails
+            self._wait_until_running(log)
         except BaseException:
             self.stop()
             raise
 
     def _wait_until_running(self, log: Path, timeout: float = 15.0) -> None:
-        """Until mosquitto logs that it runs (after opening its listeners), or raise if it exits first."""
+        """Until this mosquitto logs that it runs, which it does once its listeners are open (a port that
+        answers may be another broker's), or raise if it exits first."""
         assert self.process is not None
         give_up = time.monotonic() + timeout
-        while time.monotonic() < give_up:
-            text = log.read_text(errors="replace")
-            if self.process.poll() is not None or " running" in text:
-                break
+        while self.process.poll() is None:
+            if " running" in log.read_text(errors="replace"):
+                return
+            if time.monotonic() > give_up:
+                raise BrokerError(f"mosquitto did not report running within {timeout:.0f} s (log: {log})")
             time.sleep(0.02)
-        if self.process.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-            raise BrokerError(f"mosquitto exited with code {self.process.returncode}: {' | '.join(tail) or 'no output'}")
-        if " running" not in log.read_text(errors="replace"):
-            raise BrokerError(f"mosquitto did not report running within {timeout:.0f} s (log: {log})")
+        raise exited(self.process, log)
 
     def stop(self) -> None:
         if self.process:
