@@ -10,7 +10,9 @@ from . import provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "attacks_runs"
-FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"}}  # name -> RoundSettings overrides
+FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
+                         "geomed": {"aggregator": "geomed"}, "trimmed_mean": {"aggregator": "trimmed_mean"},
+                         "median": {"aggregator": "median"}}  # name -> RoundSettings overrides
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
@@ -24,7 +26,7 @@ def run_key(partition: str, run: str, fold: str, seed: int, rounds: int) -> str:
 DEFAULT_FOLD = "centered_clip"
 CUT = (f"the second partition ({SECOND}) runs clean, absent@0.1 and {', '.join(SECOND_ATTACKS)} at 10% only, "
        "flat only; 10 rounds on the headline partition, with the MLP (not the issue's 25 with the CNN); sites only on the headline partition (clean and one "
-       "compromised site of 4)")
+       "compromised site of 4); geomed, trimmed_mean and median (they hold the round) on the headline only, 7 runs")
 
 
 def _cell(records: list[dict]) -> dict:

@@ -10,6 +10,7 @@ import pytest
 from broker_coordinator.aggregation.robust import (
     OUTLIER_SHARE,
     RobustRound,
+    geometric_median,
     trimmed_mean,
 )
 from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
@@ -133,7 +134,7 @@ def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre(
     assert set(rnd.centered) == {"attacker"} and rnd.outlier_scale == pytest.approx(share)
 
 
-@pytest.mark.parametrize("aggregator", ["trimmed_mean", "median"])
+@pytest.mark.parametrize("aggregator", ["trimmed_mean", "median", "geomed"])
 def test_robust_aggregators_ignore_a_minority_of_outliers(aggregator):
     bound = NormBound(multiplier=0)  # no clipping: the aggregator alone
     rnd = RobustRound(SPECS, bound, aggregator, trim=0.2)
@@ -142,6 +143,16 @@ def test_robust_aggregators_ignore_a_minority_of_outliers(aggregator):
     rnd.add("x", {"w": np.full(4, 1e6, np.float32)}, 1.0)
     rnd.add("y", {"w": np.full(4, -1e6, np.float32)}, 1.0)
     assert np.all(np.abs(rnd.mean()["w"] - 1.035) < 0.05)
+
+
+def test_the_geometric_median_is_the_point_of_least_summed_distance_and_honours_weights():
+    rng = np.random.default_rng(0)
+    points = rng.standard_normal((7, 5))
+    z = geometric_median(points, np.ones(7), iterations=200)
+    cost = lambda p: np.linalg.norm(points - p, axis=1).sum()  # noqa: E731
+    assert all(cost(z) <= cost(z + 1e-3 * rng.standard_normal(5)) for _ in range(50))
+    heavy = geometric_median(np.array([[0.0], [1.0], [10.0]]), np.array([1.0, 3.0, 1.0]), iterations=200)
+    assert heavy[0] == pytest.approx(1.0, abs=1e-4)  # the median of 0, 1, 1, 1, 10
 
 
 def test_trimmed_mean_keeps_at_least_one_value():

@@ -23,11 +23,16 @@ then combined by one of (`RoundSettings.aggregator`):
   clipping loses standing: its weight is multiplied by the product of its
   recent radius / distance ratios (at least `MIN_STANDING`; each update inside
   the radius doubles it back, up to 1), so a persistent attacker fades while
-  an honest device clipped once is whole again at its next update. Each update
-  is judged as it arrives, by
+  an honest device clipped once is whole again at its next update. A length
+  does not say which way an update points: a sign- or label-flipped update can
+  sit inside both bounds. So each update also leaves a sketch, and when the
+  round closes the updates whose median cosine with the others points away from
+  the round's majority are flagged; a device's weight from then on falls with
+  its recent flags (`consensus.py`). Each update is judged as it arrives, by
   the same rule at a site and at the centre, so the fold streams: memory
-  O(model) at any cohort size. Without a centre (the first round) it is the
-  plain clipped mean.
+  O(model) (plus a 2,048-number sketch per update of the round) at any cohort
+  size. Without a centre (the first round) it is the clipped mean, weighed by
+  the same standing.
 - `mean`: the weighted mean of the norm-bounded deltas, streamed.
 - `gated_mean`: the weighted mean of the deltas that point the same way as
   the round's coordinate-wise median (cosine > 0), at least the most aligned
@@ -52,14 +57,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.streaming import StreamingMean
-from broker_coordinator.aggregation.trust import NormBound
+from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
 from broker_coordinator.settings.choices import (
     AGGREGATORS,
     DEFAULT_AGGREGATOR,
     STREAMING,
 )
 
+GEOMED_ITERATIONS = 8  # Weiszfeld steps: RFA reports 3-4 enough; the held round is small
 OUTLIER_SHARE = 0.05  # centered_clip: the largest share of a round's weight the radius-clipped updates hold
 
 
@@ -88,10 +95,12 @@ class RobustRound:
     def __init__(self, specs: Mapping[str, tuple[int, ...]], bound: NormBound, aggregator: str = DEFAULT_AGGREGATOR,
                  trim: float = 0.2, normalize_steps: bool = False,
                  reference: Callable[[list[str]], np.ndarray] | None = None,
-                 center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None) -> None:
+                 center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None,
+                 consensus: Consensus | None = None) -> None:
         """`reference(names)`, if given, is gated_mean's direction (flattened in the order of `names`)
-        instead of the round's coordinate-wise median (see `reference.py`). `center` and `radius` are
-        centered_clip's centre (None: none yet) and the adaptive radius' history."""
+        instead of the round's coordinate-wise median (see `reference.py`). `center`, `radius` and
+        `consensus` are centered_clip's centre (None: none yet), the adaptive radius' history and the
+        devices' standing by agreement with their rounds (see `consensus.py`)."""
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
         self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
@@ -99,6 +108,9 @@ class RobustRound:
         self.center = ({n: np.asarray(center[n], dtype=np.float32) for n in self.specs}
                        if center is not None and aggregator == "centered_clip" else None)
         self.radius = radius if radius is not None else NormBound(bound.multiplier or 1.5)
+        self.consensus = (consensus if consensus is not None else Consensus()) if aggregator == "centered_clip" else None
+        self.sketches: dict[str, np.ndarray] = {}  # centered_clip: device -> sketch of its bounded delta
+        self.disagreeing: dict[str, float] | None = None  # device -> median cosine, once the round is judged
         # fixed for the round, so the fold does not depend on the order updates arrive in, and a site
         # given the same history clips exactly as the centre would (None: too few distances known yet)
         self.tau = self.radius.bound() if self.center is not None else None
@@ -139,10 +151,17 @@ class RobustRound:
         self._fold(device, clipped, weight, steps)
 
     def _fold(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int) -> None:
+        agreement = 1.0
+        if self.consensus is not None:
+            self.sketches[device] = self.consensus.sketch(self.specs, delta)
+            agreement = self.consensus.of(device)  # from earlier rounds, like the radius' standing
         if self.center is None:
-            self.stream.add(delta, weight, steps)
+            if agreement < 1:
+                self.discounted[device] = agreement
+            self.stream.add(delta, weight * agreement, steps)
             return
-        standing = self.radius.standing.get(device, 1.0)  # from earlier rounds: the fold keeps its order
+        # from earlier rounds: the fold keeps its order
+        standing = max(self.radius.standing.get(device, 1.0) * agreement, MIN_STANDING)
         if standing < 1:
             self.discounted[device] = standing
         centered = self._center(device, delta)
@@ -191,11 +210,24 @@ class RobustRound:
             for h, delta in self._gate(clipped):
                 self.stream.add(delta, h.weight, h.steps)
             return self.stream.mean()
+        if self.aggregator == "geomed":
+            return self._geometric_median(clipped)
         out = {}
         for name in self.specs:
             stack = np.stack([delta[name] for _, delta in clipped]).astype(np.float64)
             out[name] = (np.median(stack, axis=0) if self.aggregator == "median"
                          else trimmed_mean(stack, self.trim)).astype(np.float32)
+        return out
+
+    def _geometric_median(self, clipped: list[tuple[Held, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+        names = list(self.specs)
+        flat = np.stack([np.concatenate([np.ravel(d[n]) for n in names]) for _, d in clipped]).astype(np.float64)
+        z = geometric_median(flat, np.array([h.weight for h, _ in clipped], dtype=np.float64))
+        out, start = {}, 0
+        for n in names:
+            size = int(np.prod(self.specs[n]))
+            out[n] = z[start:start + size].reshape(self.specs[n]).astype(np.float32)
+            start += size
         return out
 
     def _clip_held(self) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
@@ -212,6 +244,9 @@ class RobustRound:
                              f"not {self.aggregator!r}")
         self._flush_held()
         self._settle_outliers()
+        if self.consensus is not None and self.disagreeing is None:
+            self.disagreeing = self.consensus.judge(self.sketches)
+            self.sketches = {}
         return self.stream
 
     def _settle_outliers(self) -> None:
@@ -244,6 +279,22 @@ class RobustRound:
             if i not in kept:
                 self.gated[h.device] = float(cosines[i])
         return [item for i, item in enumerate(clipped) if i in kept]
+
+
+def geometric_median(points: np.ndarray, weights: np.ndarray, iterations: int = GEOMED_ITERATIONS,
+                     eps: float = 1e-8) -> np.ndarray:
+    """The weighted geometric median of the rows of `points` (smoothed Weiszfeld, as RFA: Pillutla,
+    Kakade and Harchaoui, IEEE TSP 2022), started from the weighted mean."""
+    w = weights / weights.sum()
+    z = w @ points
+    for _ in range(iterations):
+        beta = w / np.maximum(eps, np.linalg.norm(points - z, axis=1))
+        moved = beta @ points / beta.sum()
+        done = np.linalg.norm(moved - z) <= 1e-6 * max(np.linalg.norm(z), eps)
+        z = moved
+        if done:
+            break
+    return z
 
 
 def trimmed_mean(stack: np.ndarray, trim: float) -> np.ndarray:

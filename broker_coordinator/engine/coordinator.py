@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.access.broker import COORDINATOR_USER
+from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.reference import root_direction
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.server_optimizer import ServerOptimizer
@@ -124,6 +125,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         # round opens, to the sites too), and the radius' history of distances from it
         self.center: dict[str, np.ndarray] | None = None
         self.radius = NormBound(settings.norm_bound or 1.5)
+        self.consensus = Consensus()  # centered_clip: devices' standing by agreement with their rounds
         self.attempts: dict[int, int] = {}  # round -> last attempt number used (continues across restarts)
         self._admitted: tuple[float, set[str] | None] = (0.0, None)  # (when, devices the registry admits)
         self._presence_settled = False
@@ -163,6 +165,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.sample_weights.load_state(ckpt.trust.get("weights") or {})
         self.norm_bound.load_state(ckpt.trust.get("norms") or {})
         self.radius.load_state(ckpt.trust.get("radius") or {})
+        self.consensus.load_state(ckpt.trust.get("consensus") or {})
         center = ckpt.trust.get("center")
         self.center = {n: np.asarray(center[n], dtype=np.float32) for n in self.specs} if center else None
         self.rng.seed(f"{ckpt.sha256}/{ckpt.round}")
@@ -334,7 +337,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.sample_weights.start_round()
         return Round(round_no, attempt, cohort, deadline, self.version, self.privacy.fold(self.specs) if self.privacy
                      else RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
-                                 self._reference(round_no), self.center, self.radius))
+                                 self._reference(round_no), self.center, self.radius, self.consensus))
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
         if self.settings.reference == "median" or self.root_set is None:

@@ -41,7 +41,7 @@ class RoundRecords:
         """What the fold has learnt about its devices (bounds, standing, the centre, the privacy
         ledger): checkpointed so that a restart judges the next update as the last run would have."""
         return {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
-                "radius": self.radius.state(), "center": self.center,
+                "radius": self.radius.state(), "consensus": self.consensus.state(), "center": self.center,
                 **({"privacy": self.privacy.state()} if self.privacy else {})}
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
@@ -63,6 +63,15 @@ class RoundRecords:
             clipped["center"] = len(centered)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
+        disagreeing = getattr(rnd.aggregate, "disagreeing", None) or {}
+        for device, cosine in disagreeing.items():
+            log.warning("round %d: update from %s points away from its round (median cosine %.3f with the "
+                        "others): its weight from its next update on is %.2f of its claim", rnd.number, device,
+                        cosine, self.consensus.of(device))
+            self.metrics.bounded.labels("disagreed").inc()
+            rnd.device_metrics.setdefault(device, {})["disagreed"] = f"median cosine {cosine:.3f}"
+        if disagreeing:
+            clipped["disagreed"] = len(disagreeing)
         for device, cosine in rnd.aggregate.gated.items():
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)

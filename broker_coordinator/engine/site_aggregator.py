@@ -48,6 +48,7 @@ from typing import Any
 
 import msgpack
 
+from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.partials import (
     Partial,
     SiteTask,
@@ -164,6 +165,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.sample_weights = SampleWeights()
         self.norm_bound = NormBound()
         self.radius = NormBound()  # centered_clip: distances of this site's devices from the round's centre
+        self.consensus = Consensus()  # centered_clip: its devices' standing by agreement with their rounds
         self.rng = random.Random(f"{seed}/{site}")
         self.current: Round | None = None
         self.sent: set[tuple[int, int]] = set()  # (round, attempt) whose partial went up
@@ -335,7 +337,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         rnd = Round(site_task.round, site_task.attempt, cohort, task.deadline, task.model_version,
                     privacy.fold(self.specs) if privacy else
                     RobustRound(self.specs, self.norm_bound, self.settings.aggregator,
-                                normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius),
+                                normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius,
+                                consensus=self.consensus),
                     train=task.train)
         rnd.move(RoundState.COLLECTING)
         return rnd
@@ -364,6 +367,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
         if rnd.aggregate.centered:
             clipped["center"] = len(rnd.aggregate.centered)
+        if disagreeing := getattr(rnd.aggregate, "disagreeing", None):
+            clipped["disagreed"] = len(disagreeing)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,

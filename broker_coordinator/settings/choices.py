@@ -8,7 +8,7 @@ configuration never imports the engine.
 
 # the robust fold (aggregation/robust.py); the streaming ones judge each update as it arrives,
 # in memory O(model), and run at sites too
-AGGREGATORS = ("centered_clip", "mean", "gated_mean", "trimmed_mean", "median")
+AGGREGATORS = ("centered_clip", "mean", "gated_mean", "trimmed_mean", "median", "geomed")
 STREAMING = ("centered_clip", "mean")
 DEFAULT_AGGREGATOR = "centered_clip"
 WEIGHTINGS = ("capped", "uniform", "reported")  # what a device's sample count may weigh (aggregation/trust.py)

@@ -1,0 +1,98 @@
+"""The standing a device earns from how its updates agree with their rounds (consensus.py) and
+what centered_clip does with it (robust.py). Units: no broker needed."""
+
+import numpy as np
+import pytest
+
+from broker_coordinator.aggregation.consensus import (
+    FLAG_COST,
+    MIN_JUDGED,
+    WINDOW,
+    Consensus,
+    Sketcher,
+    _sylvester,
+    disagreeing,
+    hadamard,
+)
+from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
+
+SIZE = 3000
+
+
+def test_the_fast_transform_is_the_hadamard_matrix():
+    x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    assert np.allclose(hadamard(x), _sylvester(256) @ x, atol=1e-3)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_sketches_keep_cosines(sparse):
+    rng = np.random.default_rng(1)
+    sketch = Sketcher({"a": (SIZE - 1000,), "b": (1000,)})
+    for target in (-0.6, 0.0, 0.3, 0.9):
+        x = rng.standard_normal(SIZE)
+        y = target * x + np.sqrt(1 - target ** 2) * rng.standard_normal(SIZE)
+        if sparse:  # what the top-k codec leaves: a tenth of the coordinates
+            keep = rng.random(SIZE) < 0.1
+            x, y = x * keep, y * keep
+        true = x @ y / np.linalg.norm(x) / np.linalg.norm(y)
+        sx, sy = (sketch({"a": v[:SIZE - 1000], "b": v[SIZE - 1000:]}) for v in (x, y))
+        assert sx @ sy / np.linalg.norm(sx) / np.linalg.norm(sy) == pytest.approx(true, abs=0.08)
+
+
+def _round(rng, honest: int, flipped: int, spread: float = 1.0) -> dict[str, np.ndarray]:
+    """A shared task direction plus each device's own (non-IID) part; flipped devices send -3x theirs."""
+    task = rng.standard_normal(SIZE)
+    out = {f"h{i}": task + spread * rng.standard_normal(SIZE) for i in range(honest)}
+    out |= {f"x{i}": -3 * (task + spread * rng.standard_normal(SIZE)) for i in range(flipped)}
+    return out
+
+
+def test_flipped_updates_are_flagged_and_honest_non_iid_ones_are_not():
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        flagged = disagreeing(_round(rng, honest=8, flipped=2, spread=2.5))  # honest cosines about 0.14
+        assert set(flagged) == {"x0", "x1"}
+        assert disagreeing(_round(rng, honest=10, flipped=0, spread=2.5)) == {}
+    assert disagreeing(_round(rng, honest=MIN_JUDGED - 2, flipped=1)) == {}  # no majority to speak of
+
+
+def test_a_persistent_attacker_fades_and_an_honest_device_flagged_once_recovers():
+    rng = np.random.default_rng(3)
+    consensus = Consensus()
+    for round_no in range(4):
+        updates = _round(rng, honest=8, flipped=1)
+        if round_no == 0:
+            updates["h0"] = -updates["h0"]  # an honest device's odd round
+        if round_no == 3:
+            updates["x0"] = -updates["x0"] / 3  # the attacker lies low for a round: it gains nothing back
+        consensus.judge(updates)
+    assert consensus.of("x0") == MIN_STANDING  # 3 flags of 4: 1 - 2 x 3/5 is below the floor
+    assert consensus.of("h0") == pytest.approx(1 - FLAG_COST / WINDOW)
+    for _ in range(WINDOW - 3):
+        consensus.judge(_round(rng, honest=8, flipped=0))
+    assert consensus.of("h0") == 1.0 and "h0" not in consensus.flags  # its flag left the window
+    again = Consensus()
+    again.load_state(consensus.state())
+    assert again.flags == consensus.flags and again.standing == consensus.standing
+
+
+def test_centered_clip_weighs_a_device_by_its_standing_from_the_next_round_on():
+    rng = np.random.default_rng(4)
+    specs = {"w": (SIZE,)}
+    consensus, bound = Consensus(), NormBound(multiplier=0)
+    means = []
+    for _ in range(2):
+        rnd = RobustRound(specs, bound, "centered_clip", consensus=consensus)
+        updates = _round(rng, honest=8, flipped=2)
+        for device, delta in updates.items():
+            rnd.add(device, {"w": delta.astype(np.float32)}, 1.0)
+        means.append((rnd.mean()["w"], updates))
+        assert set(rnd.disagreeing) == {"x0", "x1"}
+    first, second = means
+    # round 1: all ten at full weight; round 2: the two flagged ones at 1 - 2/5 of theirs
+    assert np.allclose(first[0], np.mean(list(first[1].values()), axis=0), atol=1e-4)
+    weights = {d: 1 - FLAG_COST / WINDOW if d.startswith("x") else 1.0 for d in second[1]}
+    expected = sum(weights[d] * v for d, v in second[1].items()) / sum(weights.values())
+    assert np.allclose(second[0], expected, atol=1e-4)
+    assert RobustRound(specs, bound, "mean").consensus is None  # the plain mean stays plain
