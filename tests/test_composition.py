@@ -23,7 +23,7 @@ def test_the_defaults_compose_in_every_schedule_and_topology():
             assert composition.refusals(settings, topology) == [], (mode, topology)
 
 
-@pytest.mark.parametrize("aggregator", ["gated_mean", "trimmed_mean", "median"])
+@pytest.mark.parametrize("aggregator", ["gated_mean", "trimmed_mean", "median", "geomed"])
 def test_sites_refuse_folds_that_need_every_delta_and_say_which_run(aggregator):
     with pytest.raises(ValueError, match=r"set aggregator = one of centered_clip, mean"):
         composition.check(RoundSettings(aggregator=aggregator), "sites")
@@ -35,7 +35,7 @@ def test_config_load_refuses_a_site_combination_before_anything_starts(tmp_path)
     path.write_text('[federation]\ntest_data = "t.npz"\nmodel = "digits_mlp"\n[broker]\npassword = "x"\n'
                     '[rounds]\nmode = "buffered"\nalgorithm = "fedavg"\naggregator = "median"\n'
                     '[sites.north]\ndevices = "north-*"\n')
-    with pytest.raises(ConfigError, match=r"aggregator gated_mean \| trimmed_mean \| median is refused \(mathematical"):
+    with pytest.raises(ConfigError, match=r"aggregator gated_mean \| trimmed_mean \| median \| geomed is refused \(mathematical"):
         load_config(path)
 
 

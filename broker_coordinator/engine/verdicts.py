@@ -6,7 +6,7 @@
     left_out  accepted (valid, signed, in time) but not in the aggregate: the direction gate
               dropped it, or its round was abandoned; scale 0
     pending   not decided yet: a cold start holds it until the flush, a non-streaming fold
-              (gated_mean, trimmed_mean, median) until the round closes. A second receipt with
+              (gated_mean, trimmed_mean, median, geomed) until the round closes. A second receipt with
               the final verdict follows when the fold decides.
 
 The verdicts are read off `RobustRound`'s own records (`clipped`, `centered`, `gated`, `held`),

@@ -58,7 +58,7 @@ def _reads_devices(s: RoundSettings) -> str:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule('topology sites + aggregator gated_mean | trimmed_mean | median', "mathematical",
+    Rule('topology sites + aggregator gated_mean | trimmed_mean | median | geomed', "mathematical",
          "a site sends up sums, and these folds need every delta of the round in one place (a coordinate-"
          "wise median is not a sum)",
          lambda s, t: t == "sites" and s.aggregator not in STREAMING,
@@ -71,7 +71,7 @@ RULES: tuple[Rule, ...] = (
          'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
          'dual = 0 and global_perturbation = 0)',
          lambda s: f'algorithm = "{s.algorithm}": {_async_refusal(s)}'),
-    Rule('privacy central + aggregator gated_mean | trimmed_mean | median', "mathematical",
+    Rule('privacy central + aggregator gated_mean | trimmed_mean | median | geomed', "mathematical",
          "each device's verdict depends on the other devices' updates of the same round, so one device "
          "can move the aggregate by more than the clip C and the noise no longer covers it",
          lambda s, t: _private(s) and s.aggregator not in STREAMING,

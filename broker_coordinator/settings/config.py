@@ -39,7 +39,7 @@
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
     weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
     norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
-    aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median
+    aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median | geomed
     serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)
 
     [privacy]                            # user-level differential privacy (settings/privacy_settings.py)

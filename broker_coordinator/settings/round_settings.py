@@ -54,7 +54,7 @@ class RoundSettings:
     weighting: str = "capped"  # capped | uniform | reported (the device's own sample count)
     weight_cap: float = 2.0  # capped: at most this times the median trusted sample count
     norm_bound: float = 1.5  # clip deltas to this times the median norm of recent ones; 0 = off
-    # centered_clip | mean (both streaming, O(model)) | gated_mean | trimmed_mean | median (see broker_coordinator/aggregation/robust.py)
+    # centered_clip | mean (both streaming, O(model)) | gated_mean | trimmed_mean | median | geomed (see broker_coordinator/aggregation/robust.py)
     aggregator: str = DEFAULT_AGGREGATOR
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
