@@ -62,6 +62,7 @@ class InSites:
             for device in cohort:
                 worker._on_update(rnd, device, trained[device].payload, time.time())
             partial = worker.partial(rnd)
+            worker.verdicts.settle(rnd.aggregate)  # the close decided its devices' verdicts
             worker.sent.add((round_no, 1))
             if site == self.compromised and partial.count:
                 partial = self._forge(partial, len(self.members[site]))
@@ -72,7 +73,7 @@ class InSites:
             record = None
         for site, cohort in cohorts.items():
             for device in cohort:
-                sim._settle(device, trained[device], (device, round_no, 1) in self.workers[site].accepted)
+                sim._settle(device, round_no, trained[device], self.workers[site])
         return record
 
     def _forge(self, partial, devices: int):

@@ -141,11 +141,13 @@ class InMemoryFederation:
         return Trained(messages.encode_update(update, self.keys[device]), rule, before, encoded, delta,
                        old_residual, dict(out.metrics))
 
-    def _settle(self, device: str, round_no: int, work: Trained) -> None:
+    def _settle(self, device: str, round_no: int, work: Trained, judge: Any = None) -> None:
         """The agent's answer to its receipt: commit what the fold folded, at its scale; owe all of it
-        when the coordinator rejected it (`edge_agent.settlement`)."""
-        verdict = self.coordinator.verdicts.of((device, round_no, 1))
-        if (device, round_no, 1) not in self.coordinator.accepted:
+        when the coordinator rejected it (`edge_agent.settlement`). `judge`: whoever received the
+        update (its `verdicts` and `accepted`): the coordinator, or in sites the device's site worker."""
+        judge = self.coordinator if judge is None else judge
+        verdict = judge.verdicts.of((device, round_no, 1))
+        if (device, round_no, 1) not in judge.accepted:
             kind, scale = "rejected", 0.0
         elif verdict is None or verdict.kind not in ("folded", "clipped", "left_out"):
             kind, scale = "unknown", 0.0  # never: fold_round closes the round, so every verdict is final
