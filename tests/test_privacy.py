@@ -158,7 +158,7 @@ def test_ledger_merge_keeps_the_larger_count():
 
 
 @pytest.mark.parametrize("rounds, privacy, expected", [
-    ('aggregator = "median"', "", "aggregator gated_mean | trimmed_mean | median is refused (mathematical"),
+    ('aggregator = "median"', "", "aggregator gated_mean | trimmed_mean | median | geomed is refused (mathematical"),
     ('weighting = "reported"', "", "weighting reported is refused"),
     ('normalize_steps = true', "", "normalize_steps is refused"),
     ('algorithm = "dynsam"', "", 'algorithm = "dynsam" uses the devices'),
