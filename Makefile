@@ -58,8 +58,8 @@ test-soak: setup mosquitto  # bench/results/test_soak.json, test_soak.md (the su
 	$(BIN)/python -m bench.test_soak $(SOAK_ARGS)
 
 # benchmarks too slow for `make test`; each writes its results to bench/results/
-attacks: setup            # bench/results/attacks.json, attacks.md, attacks.png (about an hour of one core)
-	$(BIN)/python -m bench.attacks
+attacks: setup            # bench/results/attacks.json, attacks.md, attacks.png (about 50 minutes with --jobs 2)
+	$(BIN)/python -m bench.attacks --jobs 2
 
 buffered: setup mosquitto     # bench/results/buffered.json, .md, .png: sync vs buffered mode (seeds 1-2, about 25 minutes)
 	nice -n 10 $(BIN)/python -m bench.buffered
