@@ -136,16 +136,11 @@ class Consensus:
         flags = sum(self.flags.get(device, ()))
         return max(MIN_STANDING, 1.0 - FLAG_COST * flags / WINDOW) if flags else 1.0
 
-    @property
-    def standing(self) -> dict[str, float]:
-        """device -> its standing, for the devices below 1."""
-        return {d: self.of(d) for d, flags in self.flags.items() if any(flags)}
-
     def judge(self, sketches: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Flag a closed round's disagreeing updates and remember every judged device's verdict."""
-        flagged = disagreeing(sketches)
         if len(sketches) < MIN_JUDGED:
-            return flagged
+            return {}  # no majority to speak of: nothing judged, nothing remembered
+        flagged = disagreeing(sketches)
         for device in sketches:
             history = self.flags.setdefault(device, [])
             history.append(int(device in flagged))
