@@ -3,8 +3,8 @@ wall-clock time on the same emulated mixed fleet, same data, same algorithm.
 
 Real `broker-coordinator simulate` processes (private Mosquitto, one agent
 process per device under its class's CPU quota) on MNIST-5k, Dirichlet 0.3
-over 8 agents, FedAvg (the default DynSAM keeps a dual that buffered mode
-refuses), one fixed local epoch per task (device-chosen epochs would shrink
+over 8 agents, FedAvg or (`--algorithm dynsam`) the default DynSAM with its
+dual, one fixed local epoch per task (device-chosen epochs would shrink
 the slow devices' work to the deadline and hide the speed spread), the default
 uplink codec. The fleet is `zero2w:4,pi4:4`: speeds 0.11 and 0.40 (a 3.6x spread,
 the nearest to 4x that fleet.py's classes give), with the CPU quotas scaled
@@ -22,8 +22,9 @@ runs (the spread the loaded host really gave).
 
     python -m bench.buffered              # seeds 1,2: runs what is not cached, then the report
     python -m bench.buffered --seeds 1,2 --report   # the report from cached runs
+    python -m bench.buffered --algorithm dynsam     # buffered_dynsam.json, .md, .png
 
-Runs are cached in bench/results/buffered_runs/.
+Runs are cached in bench/results/buffered_runs/ (dynsam's as dynsam_MODE_seedN.json).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ FLEET_CPU = 0.25  # pi5-class quota in cores: pi4 0.10, zero2w 0.0275
 SYNC_ROUNDS = 20
 BUFFER, STALENESS = 4, 8
 VERSIONS = 120  # buffered versions: about the sync run's wall-clock at this fleet's update rate
-COMMON = ["--agents", str(AGENTS), "--dataset", "mnist5k", "--partition", "dirichlet:0.3", "--algorithm", "fedavg",
+ALGORITHMS = ("fedavg", "dynsam")
+COMMON = ["--agents", str(AGENTS), "--dataset", "mnist5k", "--partition", "dirichlet:0.3",
           "--local-epochs", "1", "--fleet", FLEET, "--fleet-cpu", str(FLEET_CPU), "--round-timeout", "120"]
 MODES = {
     "sync": ["--mode", "sync", "--rounds", str(SYNC_ROUNDS)],
@@ -57,26 +59,35 @@ MODES = {
 }
 
 
-def run_one(mode: str, seed: int) -> dict:
-    path = RUNS / f"{mode}_seed{seed}.json"
+def run_name(algorithm: str, mode: str, seed: int) -> str:
+    return f"{'' if algorithm == 'fedavg' else algorithm + '_'}{mode}_seed{seed}"
+
+
+def result_name(algorithm: str) -> str:
+    return "buffered" if algorithm == "fedavg" else f"buffered_{algorithm}"
+
+
+def run_one(algorithm: str, mode: str, seed: int) -> dict:
+    name = run_name(algorithm, mode, seed)
+    path = RUNS / f"{name}.json"
     if path.exists():
         return json.loads(path.read_text())
     with tempfile.TemporaryDirectory(prefix="edgefl-buffered-") as tmp:
         out = Path(tmp) / "out"
-        args = [sys.executable, "-m", "broker_coordinator", "simulate", *COMMON, *MODES[mode], "--seed", str(seed),
-                "--federation", f"buf{seed}", "--out", str(out)]
+        args = [sys.executable, "-m", "broker_coordinator", "simulate", *COMMON, "--algorithm", algorithm,
+                *MODES[mode], "--seed", str(seed), "--federation", f"buf{seed}", "--out", str(out)]
         RUNS.mkdir(parents=True, exist_ok=True)
         (RUNS / "logs").mkdir(exist_ok=True)
-        log_path = RUNS / "logs" / f"{mode}_seed{seed}.log"  # raw run log: stays local (gitignored)
+        log_path = RUNS / "logs" / f"{name}.log"  # raw run log: stays local (gitignored)
         started, load_before = time.time(), os.getloadavg()[0]
-        print(f"[{time.strftime('%H:%M:%S')}] {mode} seed {seed}: {' '.join(args[3:])}", flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] {algorithm} {mode} seed {seed}: {' '.join(args[3:])}", flush=True)
         with open(log_path, "w") as log:
             result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
         if result.returncode != 0:
-            raise RuntimeError(f"{mode} seed {seed} failed (exit {result.returncode}); see {log_path}")
+            raise RuntimeError(f"{algorithm} {mode} seed {seed} failed (exit {result.returncode}); see {log_path}")
         history = json.loads((out / "history.json").read_text())
-    record = {**history, "wall_seconds": time.time() - started, "command": ["simulate", *COMMON, *MODES[mode],
-                                                                             "--seed", str(seed)],
+    record = {**history, "wall_seconds": time.time() - started,
+              "command": ["simulate", *COMMON, "--algorithm", algorithm, *MODES[mode], "--seed", str(seed)],
               "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     path.write_text(json.dumps(record) + "\n")
     return record
@@ -102,8 +113,8 @@ def task_seconds(record: dict) -> dict[str, float]:
     return {k: round(1000 * statistics.median(v), 3) for k, v in sorted(by_class.items())}  # ms per sample
 
 
-def seed_result(seed: int) -> dict:
-    runs = {mode: json.loads((RUNS / f"{mode}_seed{seed}.json").read_text()) for mode in MODES}
+def seed_result(algorithm: str, seed: int) -> dict:
+    runs = {mode: json.loads((RUNS / f"{run_name(algorithm, mode, seed)}.json").read_text()) for mode in MODES}
     curves = {mode: curve(r) for mode, r in runs.items()}
     target = curves["sync"][-1][1]
     reach = {mode: first_reach(points, target) for mode, points in curves.items()}
@@ -133,11 +144,12 @@ def seed_result(seed: int) -> dict:
     }
 
 
-def report(seeds: list[int]) -> dict:
-    missing = [f"{m}_seed{s}" for s in seeds for m in MODES if not (RUNS / f"{m}_seed{s}.json").exists()]
+def report(algorithm: str, seeds: list[int]) -> dict:
+    missing = [run_name(algorithm, m, s) for s in seeds for m in MODES
+               if not (RUNS / f"{run_name(algorithm, m, s)}.json").exists()]
     if missing:
         raise SystemExit(f"missing runs in {RUNS}: {', '.join(missing)}; run python -m bench.buffered first")
-    per = {str(s): seed_result(s) for s in seeds}
+    per = {str(s): seed_result(algorithm, s) for s in seeds}
     speedups = [r["speedup"] for r in per.values() if r["speedup"]]
     result = {
         "target": "buffered reaches the sync run's final accuracy in less wall-clock time (4x speed spread)",
@@ -151,20 +163,24 @@ def report(seeds: list[int]) -> dict:
         "meta": {"seeds": seeds, "fleet": FLEET, "fleet_cpu": FLEET_CPU, "agents": AGENTS,
                  "spread": "zero2w 0.11 vs pi4 0.40: 3.6x nominal", "buffer_size": BUFFER,
                  "max_staleness": STALENESS, "staleness_weight": "inverse_sqrt", "sync_rounds": SYNC_ROUNDS,
-                 "algorithm": "fedavg", "data": "mnist5k dirichlet:0.3", "local_epochs": 1},
+                 "algorithm": algorithm, "data": "mnist5k dirichlet:0.3", "local_epochs": 1},
     }
     from broker_coordinator.settings.round_settings import RoundSettings
     result["measured_with"] = provenance.measured_with(
-        provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm="fedavg", local_epochs=1))
+        provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm=algorithm, local_epochs=1))
                                .items() if k != "mode"},
         varies={"mode": list(MODES)}, data="mnist5k", partition=f"dirichlet:0.3 over {AGENTS} agents", seeds=seeds,
         fleet=FLEET, note="simulate's defaults for everything COMMON and MODES do not set; runs cached in "
                           "bench/results/buffered_runs/")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "buffered.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / "buffered.md").write_text(markdown(result))
-    plot(result, RESULTS / "buffered.png")
+    name = result_name(algorithm)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(result))
+    plot(result, RESULTS / f"{name}.png")
     return result
+
+
+NAMES = {"fedavg": "FedAvg", "dynsam": "DynSAM (the default, with its dual)"}
 
 
 def markdown(r: dict) -> str:
@@ -174,8 +190,9 @@ def markdown(r: dict) -> str:
     lines = [
         "# Buffered asynchronous mode vs synchronous rounds",
         "",
-        f"Measured by `python -m bench.buffered` (seeds {', '.join(map(str, m['seeds']))}; the shared 2 cores fit "
-        f"no more). FedAvg on MNIST-5k, Dirichlet 0.3 over {m['agents']} agents, one local epoch per task, fleet "
+        f"Measured by `python -m bench.buffered{'' if m['algorithm'] == 'fedavg' else ' --algorithm ' + m['algorithm']}` "
+        f"(seeds {', '.join(map(str, m['seeds']))}; the shared 2 cores fit "
+        f"no more). {NAMES[m['algorithm']]} on MNIST-5k, Dirichlet 0.3 over {m['agents']} agents, one local epoch per task, fleet "
         f"`{m['fleet']}` ({m['spread']}; `--fleet-cpu {m['fleet_cpu']}`). Sync: every device every round, "
         f"{m['sync_rounds']} rounds, each waiting for its slowest device. Buffered: K = {m['buffer_size']}, "
         f"S = {m['max_staleness']}, weight 1/sqrt(1+s). Clock from all agents online.",
@@ -226,7 +243,7 @@ def plot(r: dict, path: Path) -> None:
     ax.set_xlabel("wall-clock seconds (all agents online = 0)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_ylim(bottom=50)
-    ax.set_title(f"FedAvg, {r['meta']['fleet']}: sync vs buffered (grey: sync final)")
+    ax.set_title(f"{r['meta']['algorithm']}, {r['meta']['fleet']}: sync vs buffered (grey: sync final)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -238,14 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="1,2", help="comma-separated seeds, e.g. 1,2")
     parser.add_argument("--report", action="store_true", help="rebuild the report from cached runs only")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="fedavg",
+                        help="fedavg (buffered.json) or dynsam, the default with its dual (buffered_dynsam.json)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.report:
         for seed in seeds:
             for mode in MODES:
-                run_one(mode, seed)
-    r = report(seeds)
-    print((RESULTS / "buffered.md").read_text())
+                run_one(args.algorithm, mode, seed)
+    r = report(args.algorithm, seeds)
+    print((RESULTS / f"{result_name(args.algorithm)}.md").read_text())
     return 0 if r["met"] else 1
 
 

@@ -1,9 +1,12 @@
-"""The measurement behind one refusal of `composition`: buffered mode with a server dual.
+"""The measurement behind buffered mode's dual algorithms: the server dual paced by the buffer.
 
-Runs `simulate` in buffered mode (digits, 6 agents, K = 3, 5 versions, central evaluation) with
-the refusal of dual algorithms lifted for this process only, for `dynsam` (its dual on, the
-default) and, as the reference, `fedavg` and `dynsam` with `dual = 0`; seeds 0 and 1. Writes
-bench/results/buffered_duals.json and .md: accuracy and loss per version.
+Runs `simulate` in buffered mode (digits, 6 agents, K = 3, 15 versions, central evaluation) for
+`dynsam` (the default, its dual on) and `feddyn` as they ship: H adds the undamped mean and enters
+the model as H / (1 + s)^2 for the buffer's mean staleness s (`ServerRule.pace`,
+edgefl_protocol/algorithms/feddyn.py). Beside them: `dynsam` with H whole (the rule before `pace`:
+`pace` disabled for this process only, the measurement that once refused these algorithms),
+`dynsam` with `dual = 0`, and `fedavg`; seeds 0 and 1. Writes bench/results/buffered_duals.json
+and .md: accuracy and loss per version.
 
     python -m bench.buffered_duals
 """
@@ -11,52 +14,62 @@ bench/results/buffered_duals.json and .md: accuracy and loss per version.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from broker_coordinator.settings import composition
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.simulate import SimulationSpec, simulate
+from edgefl_protocol.algorithms.base import ServerRule
 
 from . import provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ROWS = {"dynsam": {}, "dynsam dual=0": {"dual": 0}, "fedavg": None}
-SEEDS, VERSIONS, AGENTS, K = (0, 1), 5, 6, 3
+# row -> (algorithm, hparams, paced)
+ROWS = {"dynsam": ("dynsam", {}, True), "dynsam, H whole": ("dynsam", {}, False), "feddyn": ("feddyn", {}, True),
+        "dynsam dual=0": ("dynsam", {"dual": 0}, True), "fedavg": ("fedavg", {}, True)}
+SEEDS, VERSIONS, AGENTS, K = (0, 1), 15, 6, 3
 
 
-def run(name: str, hparams: dict | None, seed: int) -> dict:
-    algorithm = "fedavg" if hparams is None else "dynsam"
-    settings = RoundSettings(algorithm=algorithm, hparams=hparams or {}, mode="buffered", buffer_size=K,
+def run(algorithm: str, hparams: dict, paced: bool, seed: int) -> dict:
+    settings = RoundSettings(algorithm=algorithm, hparams=hparams, mode="buffered", buffer_size=K,
                              round_timeout=20.0)
-    with tempfile.TemporaryDirectory(prefix="edgefl-duals-") as tmp:
-        history = simulate(SimulationSpec(agents=AGENTS, rounds=VERSIONS, dataset="digits", seed=seed, out=Path(tmp),
-                                          federation="duals"), settings, echo=lambda line: None)
+    pace = ServerRule.pace
+    if not paced:
+        ServerRule.pace = lambda self, damping, delay: None  # type: ignore[method-assign]  # this process only
+    try:
+        with tempfile.TemporaryDirectory(prefix="edgefl-duals-") as tmp:
+            history = simulate(SimulationSpec(agents=AGENTS, rounds=VERSIONS, dataset="digits", seed=seed,
+                                              out=Path(tmp), federation="duals"), settings, echo=lambda line: None)
+    finally:
+        ServerRule.pace = pace  # type: ignore[method-assign]
     return {"accuracy": [round(r["score"], 4) for r in history], "loss": [round(r["loss"], 4) for r in history]}
 
 
 def main() -> int:
-    rules = composition.RULES
-    composition.RULES = tuple(r for r in rules if "dual" not in r.combination)  # this process only
-    try:
-        runs = {name: {str(seed): run(name, hparams, seed) for seed in SEEDS} for name, hparams in ROWS.items()}
-    finally:
-        composition.RULES = rules
+    runs = {name: {str(seed): run(*row, seed) for seed in SEEDS} for name, row in ROWS.items()}
     out = {"measured_with": provenance.measured_with(
                provenance.invoked(), provenance.deciding(RoundSettings(mode="buffered", buffer_size=K)),
                data="digits (sklearn)", agents=AGENTS, versions=VERSIONS, seeds=list(SEEDS), round_timeout=20.0,
-               varies={"algorithm": list(ROWS)}, note="the buffered-dual refusal lifted for this process only"),
-           "runs": runs}
+               varies={"algorithm": list(ROWS)},
+               note="'dynsam, H whole' disables ServerRule.pace for its runs only (the rule before it)"),
+           "runs": runs,
+           "final_mean": {name: round(100 * statistics.mean(r["accuracy"][-1] for r in seeds.values()), 2)
+                          for name, seeds in runs.items()},
+           "peak_loss": {name: max(max(r["loss"]) for r in seeds.values()) for name, seeds in runs.items()}}
     (RESULTS / "buffered_duals.json").write_text(json.dumps(out, indent=1) + "\n")
-    lines = ["# Buffered mode with a server dual (digits, 6 agents, K = 3)", "",
+    lines = [f"# Buffered mode with a server dual (digits, {AGENTS} agents, K = {K}, {VERSIONS} versions)", "",
              f"Command: `{out['measured_with']['command']}` at {out['measured_with']['commit']}. Accuracy per "
-             "version (central test set), per seed.", "", "| row | seed | accuracy per version | loss per version |",
-             "| --- | ---: | --- | --- |"]
+             "version (central test set), per seed. `dynsam` and `feddyn` as they ship (H paced by the buffer's "
+             "staleness); `dynsam, H whole`: the rule before it.", "",
+             "| row | seed | accuracy per version | loss per version |", "| --- | ---: | --- | --- |"]
     for name, seeds in runs.items():
         for seed, r in seeds.items():
             lines.append(f"| {name} | {seed} | {' '.join(f'{100 * a:.1f}' for a in r['accuracy'])} | "
                          f"{' '.join(f'{x:.2f}' for x in r['loss'])} |")
+    lines += ["", "| row | final accuracy, mean of seeds | highest loss |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {out['final_mean'][name]:.2f} | {out['peak_loss'][name]:.2f} |" for name in runs]
     (RESULTS / "buffered_duals.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

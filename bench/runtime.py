@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import broker_coordinator  # noqa: E402,F401  # first: it sets the coordinator's BLAS threads, as `run` has them
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402

@@ -248,6 +248,23 @@ def test_feddyn_client_and_server_follow_their_equations():
     assert np.allclose(new2["w"], new["w"] + [0.4, 0.0] + [0.2 + 0.1, -0.1])
 
 
+def test_feddyn_server_in_buffered_mode_keeps_h_undamped_and_applies_it_paced_by_the_staleness():
+    g = {"w": np.array([1.0, 1.0], dtype=np.float32)}
+    server = feddyn.Server({})
+    server.start_round(1, population=4)
+    server.observe("a", 1, {})
+    server.observe("b", 1, {})
+    server.pace(damping=0.5, delay=1.0)  # the buffer's mean was damped by 0.5; its updates 1 version stale
+    new = server.new_global(g, {"w": np.array([0.4, -0.2], dtype=np.float32)})
+    # H adds the undamped mean, as the devices' duals do: (2/4) * [0.8, -0.4]; it enters as H / (1 + 1)^2
+    assert np.allclose(server.H["w"], [0.4, -0.2])
+    assert np.allclose(new["w"], [1.0 + 0.4 + 0.4 / 4, 1.0 - 0.2 - 0.2 / 4])
+    server.start_round(2, population=4)  # a sync round after it: FedDyn's equations exactly
+    server.observe("c", 1, {})
+    new2 = server.new_global(new, {"w": np.array([0.4, 0.0], dtype=np.float32)})
+    assert np.allclose(new2["w"], new["w"] + [0.4, 0.0] + [0.4 + 0.1, -0.2])
+
+
 def test_fedsmoo_client_ascent_dual_and_server_perturbation():
     state = {"mu": [np.array([0.1, 0.0], dtype=np.float32)], "h": [np.zeros(2, dtype=np.float32)]}
     model = nn.Linear(2, 1, bias=False)

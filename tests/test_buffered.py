@@ -1,5 +1,5 @@
-"""Buffered asynchronous mode: the staleness rule, the drop of too-stale updates, the algorithms it
-refuses, and (end to end, real Mosquitto and agent processes) versions applied from stale-but-allowed
+"""Buffered asynchronous mode: the staleness rule, the drop of too-stale updates, the dual algorithms
+served with the buffer's pace, and (end to end, real Mosquitto and agent processes) versions applied from stale-but-allowed
 updates while too-stale ones are dropped with a reason."""
 
 import json
@@ -16,6 +16,7 @@ from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
 from broker_coordinator.engine.coordinator import RoundSettings
 from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.aggregation.staleness import staleness_factor
+from broker_coordinator.settings import composition
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import messages
 from edgefl_protocol.settings import ConfigError, build_section
@@ -40,13 +41,25 @@ def test_buffered_serves_algorithms_without_round_bound_server_state(algorithm, 
 
 
 @pytest.mark.parametrize("algorithm", ["dynsam", "feddyn", "fedsmoo"])
-def test_buffered_refuses_dual_algorithms_and_says_what_to_choose(algorithm):
-    with pytest.raises(ConfigError) as caught:
-        build_section(RoundSettings, {"mode": "buffered", "algorithm": algorithm}, "c.toml [rounds]")
-    message = str(caught.value)
-    assert message.startswith("c.toml [rounds]: ") and f'algorithm = "{algorithm}"' in message
-    assert "dual H" in message and "fedavg, fedprox, fedsam" in message and 'mode = "sync"' in message
-    assert "(measured: " in message
+def test_buffered_serves_the_dual_algorithms_flat_and_in_sites(algorithm):
+    settings = build_section(RoundSettings, {"mode": "buffered", "algorithm": algorithm}, "c.toml [rounds]")
+    assert composition.refusals(settings, "flat") == [] and composition.refusals(settings, "sites") == []
+
+
+def test_a_buffers_damping_and_staleness_reach_the_server_rule(tmp_path):
+    c, buffer = _coordinator(tmp_path)
+    c.version = 3
+    for attempt, (device, version) in enumerate([("d1", 3), ("d2", 2), ("d3", 0)], start=1):
+        _task(c, device, version, attempt)
+    c._on_update(buffer, "d1", _answer(c, "d1", 3, 1, 0.1, num_samples=30), time.time())  # fresh
+    c._on_update(buffer, "d2", _answer(c, "d2", 2, 2, 0.4, num_samples=10), time.time())  # 1 version old
+    c._on_update(buffer, "d3", _answer(c, "d3", 0, 3, 0.2, num_samples=10), time.time())  # too stale: dropped
+    assert buffer.aggregate.delay == pytest.approx(10 / 40)  # weighted by n_k: (30 * 0 + 10 * 1) / 40
+    seen = []
+    c.server_rule.pace = lambda damping, delay: seen.append((damping, delay))
+    buffer.move(RoundState.CLOSED)
+    c._conclude(buffer, "")
+    assert seen == [(pytest.approx((30 + 10 / math.sqrt(2)) / 40), pytest.approx(0.25))]
 
 
 @pytest.mark.parametrize("key,value,says", [("buffer_size", 0, "buffer_size must be >= 1"),

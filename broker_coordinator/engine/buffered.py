@@ -27,9 +27,9 @@ that names it is outstanding and within S versions of the newest.
 With `[privacy] mode = "central"` each version is one private release (engine/private_rounds.py:
 rate 1, the fold over K) and a device gets no second task while it has an update in the buffer.
 
-Algorithms with a server dual (FedDyn's and FedSMOO's H, DynSAM with its dual) are refused at
-config load (`settings.composition`): fed damped, stale buffers the server's dual drifts from the
-devices' and the model lost accuracy version after version in the measurement.
+Algorithms with a server dual (FedDyn's and FedSMOO's H, DynSAM's) are told the buffer's damping
+and mean staleness before they step (`ServerRule.pace`): H adds up the undamped mean, as the devices'
+duals do, and enters the model damped by the staleness (`edgefl_protocol/algorithms/feddyn.py`).
 """
 
 from __future__ import annotations
@@ -78,15 +78,23 @@ class DampedAggregate:
         self.robust = robust
         self.weight = 0.0  # sum n_k f(s_k): the weights the fold was given
         self.undamped = 0.0  # sum n_k
+        self.stale = 0.0  # sum n_k s_k
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
             norm: float | None = None) -> None:
         self.robust.add(device, delta, weight, steps, norm)
 
-    def damp(self, weight: float, factor: float) -> None:
-        """Record that an update of fold weight n_k f(s_k) = `weight` had staleness factor f(s_k)."""
+    def damp(self, weight: float, factor: float, staleness: int) -> None:
+        """Record that an update of fold weight n_k f(s_k) = `weight` was `staleness` versions old
+        and had the factor f(s_k)."""
         self.weight += weight
         self.undamped += weight / factor
+        self.stale += weight / factor * staleness
+
+    @property
+    def delay(self) -> float:
+        """The mean staleness of the buffer's updates, weighted by n_k (the server rule's `pace`)."""
+        return self.stale / self.undamped if self.undamped else 0.0
 
     @property
     def damping(self) -> float:
@@ -261,10 +269,9 @@ class BufferedCoordinator(Coordinator):
               judged: Judged | messages.Refusal, size: int, digest: str) -> None:
         super()._fold(current, device, answer, judged, size, digest)
         if isinstance(answer, messages.Update) and not isinstance(judged, messages.Refusal):
-            factor = self._factor(answer)
-            current.aggregate.damp(judged[1], factor)  # type: ignore[attr-defined]
-            current.device_metrics[device].update(staleness=self.version - answer.model_version,
-                                                  staleness_factor=round(factor, 4))
+            factor, staleness = self._factor(answer), self.version - answer.model_version
+            current.aggregate.damp(judged[1], factor, staleness)  # type: ignore[attr-defined]
+            current.device_metrics[device].update(staleness=staleness, staleness_factor=round(factor, 4))
             self.folded.add((answer.round, answer.attempt))
 
     def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:

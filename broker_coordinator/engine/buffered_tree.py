@@ -62,11 +62,18 @@ class DampedTreeSum:
         self.tree_sum = tree_sum
         self.weight = 0.0  # sum W_j f(s_j)
         self.undamped = 0.0  # sum W_j
+        self.stale = 0.0  # sum W_j s_j
 
-    def add_damped(self, partial: Partial, sums: Mapping[str, np.ndarray], factor: float) -> None:
+    def add_damped(self, partial: Partial, sums: Mapping[str, np.ndarray], factor: float, staleness: int) -> None:
         self.tree_sum.add(partial, {name: np.asarray(a, dtype=np.float64) * factor for name, a in sums.items()})
         self.weight += partial.total_weight * factor
         self.undamped += partial.total_weight
+        self.stale += partial.total_weight * staleness
+
+    @property
+    def delay(self) -> float:
+        """The mean staleness of the buffer's partials, weighted by W_j (the server rule's `pace`)."""
+        return self.stale / self.undamped if self.undamped else 0.0
 
     @property
     def damping(self) -> float:
@@ -133,7 +140,7 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
             return
         assert current is not None
         factor = staleness_factor(self.settings.staleness_weight, staleness)
-        current.aggregate.add_damped(partial, sums, factor)  # type: ignore[attr-defined]
+        current.aggregate.add_damped(partial, sums, factor, staleness)  # type: ignore[attr-defined]
         sender = f"{site}/{partial.worker}"
         self._book_partial(current, site, sender, partial)
         current.device_metrics[sender].update(staleness=staleness, staleness_factor=round(factor, 4))

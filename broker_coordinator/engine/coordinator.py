@@ -360,6 +360,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             if self.privacy:
                 self.privacy.applied(rnd.aggregate)
             self.center = aggregate
+            # buffered mode: the damping and staleness of the step (a sync round: 1 and 0)
+            self.server_rule.pace(getattr(rnd.aggregate, "damping", 1.0), getattr(rnd.aggregate, "delay", 0.0))
             proposed = self.server_rule.new_global(self.weights, aggregate,
                                                    self.extras.mean() if self.extras is not None else None)
             self.weights = self.server_optimizer.apply(self.weights, proposed)

@@ -33,14 +33,6 @@ class Rule:
     detail: Callable[[RoundSettings], str] | None = None  # the settings' own words, when they have them
 
 
-def _async_refusal(s: RoundSettings) -> str:
-    """An algorithm's own reason not to serve buffered mode ("" = it serves it)."""
-    # imported here, not at the top: it imports torch, which the device-management commands do not
-    # need (config.load_config with_rounds=False)
-    from edgefl_protocol import algorithms
-    return algorithms.get(s.algorithm).server(s.task_hparams(1)).asynchronous_refusal()
-
-
 def _private(s: RoundSettings) -> bool:
     return s.privacy.on
 
@@ -64,13 +56,6 @@ RULES: tuple[Rule, ...] = (
          lambda s, t: t == "sites" and s.aggregator not in STREAMING,
          f"aggregator = one of {', '.join(STREAMING)} (each judges an update as it arrives, at a site as at "
          "the centre)"),
-    Rule('mode buffered + algorithm feddyn | fedsmoo | dynsam with its duals', "measured",
-         "a server dual fed damped, stale buffers drifts from the devices' duals; buffered dynsam with its "
-         "dual diverged where fedavg learned (bench/results/buffered_duals.json)",
-         lambda s, t: s.mode == "buffered" and bool(_async_refusal(s)),
-         'mode = "sync", or an algorithm without a dual (fedavg, fedprox, fedsam; dynsam with hparams '
-         'dual = 0 and global_perturbation = 0)',
-         lambda s: f'algorithm = "{s.algorithm}": {_async_refusal(s)}'),
     Rule('privacy central + aggregator gated_mean | trimmed_mean | median | geomed', "mathematical",
          "each device's verdict depends on the other devices' updates of the same round, so one device "
          "can move the aggregate by more than the clip C and the noise no longer covers it",

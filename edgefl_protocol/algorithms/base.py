@@ -18,12 +18,13 @@ Client side, per round, in the order the loop calls them:
 
 Server side, per round:
     start_round(round_no, population)     population = devices that could have been asked
+    pace(damping, delay)                  buffered mode, before new_global: the factor the engine applied
+                                          to the mean delta and the mean staleness of its updates
     weight(num_samples, metrics)          how much one delta counts in the weighted mean
     observe(device, num_samples, metrics) every accepted update, for server state (signals)
     new_global(global, mean_delta, mean_extras)  the server rule; extras are averaged uniformly
     broadcast() / broadcast_tensors()     scalars sent with the tasks / tensors sent with the model
     state() / load_state(state)           the server's aggregate, checkpointed after every round
-    asynchronous_refusal()                why the rule cannot fold stale updates in buffered mode ("" = it can)
 
 Algorithm state that must survive restarts lives in `self.state` on the
 client (a DeviceState section, saved by the agent once per round) and in the
@@ -129,9 +130,17 @@ class ServerRule:
         self.hparams = dict(hparams)
         self.round = 0
         self.population = 0
+        self.damping, self.delay = 1.0, 0.0  # see pace
 
     def start_round(self, round_no: int, population: int) -> None:
         self.round, self.population = round_no, population
+        self.damping, self.delay = 1.0, 0.0
+
+    def pace(self, damping: float, delay: float) -> None:
+        """Buffered mode: the step's `mean_delta` is the fold's mean times `damping` (FedBuff's
+        staleness factor, <= 1), and its updates were trained `delay` versions ago on average
+        (sync rounds: 1 and 0). A rule with state fed by every step reads these."""
+        self.damping, self.delay = damping, delay
 
     def weight(self, num_samples: int, metrics: Mapping[str, Scalar]) -> float:
         """n_k (default), or 1 with hparam weighting = "uniform" (the FedDyn / FedSMOO papers' mean)."""
@@ -158,11 +167,6 @@ class ServerRule:
     def state(self) -> dict[str, Any]:
         """What must survive a coordinator restart (checkpointed after every round)."""
         return {}
-
-    def asynchronous_refusal(self) -> str:
-        """Why this rule cannot serve the coordinator's buffered asynchronous mode, where a version is
-        applied every K updates and updates may be trained on older versions; "" when it can."""
-        return ""
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         pass

@@ -187,12 +187,6 @@ class Server(DualServer):
     def state(self) -> dict:
         return {**super().state(), "latest": self.latest, "s": self.perturbation.s}
 
-    def asynchronous_refusal(self) -> str:
-        if float(self.hparams["dual"]) or self.smooth:  # without them its server is FedAvg's plus medians
-            return (super().asynchronous_refusal() + " (dynsam without its duals, hparams dual = 0 and "
-                    "global_perturbation = 0, can be served)")
-        return ""
-
     def load_state(self, state) -> None:
         super().load_state(state)
         self.perturbation.load(state.get("s", {}))
