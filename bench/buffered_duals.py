@@ -1,7 +1,7 @@
 """The measurement behind buffered mode's dual algorithms: the server dual paced by the buffer.
 
 Runs `simulate` in buffered mode (digits, 6 agents, K = 3, 15 versions, central evaluation) for
-`dynsam` (the default, its dual on) and `feddyn` as they ship: H adds the undamped mean and enters
+`dynsam` (the default, its dual on), `feddyn` and `fedsmoo` as they ship: H adds the undamped mean and enters
 the model as H / (1 + s)^2 for the buffer's mean staleness s (`ServerRule.pace`,
 edgefl_protocol/algorithms/feddyn.py). Beside them: `dynsam` with H whole (the rule before `pace`:
 `pace` disabled for this process only, the measurement that once refused these algorithms),
@@ -28,7 +28,7 @@ from . import provenance
 RESULTS = Path(__file__).resolve().parent / "results"
 # row -> (algorithm, hparams, paced)
 ROWS = {"dynsam": ("dynsam", {}, True), "dynsam, H whole": ("dynsam", {}, False), "feddyn": ("feddyn", {}, True),
-        "dynsam dual=0": ("dynsam", {"dual": 0}, True), "fedavg": ("fedavg", {}, True)}
+        "fedsmoo": ("fedsmoo", {}, True), "dynsam dual=0": ("dynsam", {"dual": 0}, True), "fedavg": ("fedavg", {}, True)}
 SEEDS, VERSIONS, AGENTS, K = (0, 1), 15, 6, 3
 
 
