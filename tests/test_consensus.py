@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from broker_coordinator.aggregation.consensus import (
+    CHUNK,
     FLAG_COST,
     MIN_JUDGED,
     WINDOW,
@@ -13,6 +14,7 @@ from broker_coordinator.aggregation.consensus import (
     _sylvester,
     disagreeing,
     hadamard,
+    median_cosines,
 )
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
@@ -114,3 +116,13 @@ def test_a_restarted_coordinator_remembers_which_devices_disagreed(tmp_path):
     again = Coordinator("u", "digits_mlp", test, RoundSettings(), store=Store(tmp_path))
     assert again.consensus.flags == {"attacker": [1, 1, 0]}
     assert again.consensus.of("attacker") == pytest.approx(1 - 2 * FLAG_COST / WINDOW)
+
+
+def test_median_cosines_in_chunks_match_the_whole_matrix_across_chunk_boundaries():
+    rng = np.random.default_rng(3)
+    sketches = rng.standard_normal((2 * CHUNK + 44, 512)).astype(np.float32)
+    sketches[: CHUNK + 10] += 0.5 * sketches[0]  # a majority that agrees, across the first boundary
+    unit = sketches / np.linalg.norm(sketches.astype(np.float64), axis=1, keepdims=True)
+    whole = unit @ unit.T
+    np.fill_diagonal(whole, np.nan)
+    np.testing.assert_allclose(median_cosines(sketches), np.nanmedian(whole, axis=1), atol=1e-6)

@@ -98,12 +98,22 @@ def hadamard(a: np.ndarray) -> np.ndarray:
     return out
 
 
+CHUNK = 128  # rows of the cosine matrix at a time: the round's close stays O(cohort x SKETCH_DIM)
+
+
 def median_cosines(sketches: np.ndarray) -> np.ndarray:
-    """Each row's median cosine with the other rows."""
-    unit = sketches / np.maximum(np.linalg.norm(sketches, axis=1, keepdims=True), 1e-12)
-    cosines = unit @ unit.T
-    np.fill_diagonal(cosines, np.nan)
-    return np.nanmedian(cosines, axis=1)
+    """Each row's median cosine with the other rows, in float32 (the sketch is good to about 0.02)
+    and CHUNK rows at a time: the whole matrix in float64 cost 40 MB of peak memory at 1,000
+    updates a round (bench/runtime.py)."""
+    unit = np.array(sketches, dtype=np.float32)
+    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    out = np.empty(len(unit))
+    for start in range(0, len(unit), CHUNK):
+        block = unit[start:start + CHUNK] @ unit.T
+        rows = np.arange(len(block))
+        block[rows, start + rows] = np.nan
+        out[start:start + len(block)] = np.nanmedian(block, axis=1)
+    return out
 
 
 def disagreeing(sketches: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -111,7 +121,7 @@ def disagreeing(sketches: Mapping[str, np.ndarray]) -> dict[str, float]:
     if len(sketches) < MIN_JUDGED:
         return {}
     devices = list(sketches)
-    medians = median_cosines(np.stack([sketches[d] for d in devices]).astype(np.float64))
+    medians = median_cosines(np.stack([sketches[d] for d in devices]))
     middle = float(np.median(medians))
     spread = float(np.median(np.abs(medians - middle)))
     threshold = min(0.0, middle - MAD_MULTIPLIER * spread)
