@@ -51,7 +51,7 @@ downlink: setup mosquitto  # bench/results/downlink.json, downlink.md (float32 v
 test: setup mosquitto
 	$(BIN)/python -m pytest -q
 
-composition: setup mosquitto  # bench/results/composition.json, .md: every cell of the engine's choices, real brokers and agents (16 minutes on a quiet 2-core machine)
+composition: setup mosquitto  # bench/results/composition.json, .md: every cell of the engine's choices, real brokers and agents (about 25 minutes on a quiet 2-core machine)
 	nice -n 5 $(BIN)/python -m bench.composition $(COMPOSITION_ARGS)
 
 test-soak: setup mosquitto  # bench/results/test_soak.json, test_soak.md (the suite 5 times with every core busy; 30+ minutes)
