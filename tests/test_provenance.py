@@ -125,6 +125,7 @@ CLAIMS = [
     ("README.md", r"MB\); \d+ / \d+ / (\d+) updates/s", "runtime.json", "updates_per_s/1000", 1, 0),
     ("README.md", r"all (\d+) cells of a\s+pairwise", "composition_pairwise.json", "cells_ok", 1, 0),
     ("README.md", r"(\d+) of the\s+96 cells are refused", "composition_pairwise.json", "refused_count", 1, 0),
+    ("README.md", r"all (\d+) cells of the full grid", "composition.json", "cells_ok", 1, 0),
     ("README.md", r"as with 1,000 \(([\d.]+)x\)", "spool.json", "ratio_last_to_first", 1, 2),
     ("README.md", r"carries (\d+)x fewer bytes", "scale.json", "ratio_flat_over_tree", 1, 0),
     ("README.md", r"more\s+\(\+(\d+)%\) at 10,000", "scale.json", "tree_growth_low_to_high", 100, 0),
