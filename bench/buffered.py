@@ -67,6 +67,19 @@ def result_name(algorithm: str) -> str:
     return "buffered" if algorithm == "fedavg" else f"buffered_{algorithm}"
 
 
+def run_measured_with(algorithm: str, mode: str, seed: int) -> dict:
+    """What one cached run ran: this checkout's commit, the command, the settings that decide it."""
+    from broker_coordinator.settings.round_settings import RoundSettings
+    buffered = {"buffer_size": BUFFER, "max_staleness": STALENESS, "staleness_weight": "inverse_sqrt"}
+    settings = RoundSettings(algorithm=algorithm, local_epochs=1, mode=mode, round_timeout=120.0,
+                             **(buffered if mode == "buffered" else {}))
+    return provenance.measured_with(
+        "python -m bench.buffered" + ("" if algorithm == "fedavg" else f" --algorithm {algorithm}"),
+        provenance.deciding(settings), mode=mode, seed=seed, data="mnist5k", partition=f"dirichlet:0.3 over {AGENTS} agents",
+        fleet=FLEET, fleet_cpu=FLEET_CPU, **(buffered if mode == "buffered" else {}),
+        rounds=VERSIONS if mode == "buffered" else SYNC_ROUNDS)
+
+
 def run_one(algorithm: str, mode: str, seed: int) -> dict:
     name = run_name(algorithm, mode, seed)
     path = RUNS / f"{name}.json"
@@ -88,7 +101,8 @@ def run_one(algorithm: str, mode: str, seed: int) -> dict:
         history = json.loads((out / "history.json").read_text())
     record = {**history, "wall_seconds": time.time() - started,
               "command": ["simulate", *COMMON, "--algorithm", algorithm, *MODES[mode], "--seed", str(seed)],
-              "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+              "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+              "measured_with": run_measured_with(algorithm, mode, seed)}
     path.write_text(json.dumps(record) + "\n")
     return record
 
@@ -151,6 +165,7 @@ def report(algorithm: str, seeds: list[int]) -> dict:
     if missing:
         raise SystemExit(f"missing runs in {RUNS}: {', '.join(missing)}; run python -m bench.buffered first")
     per = {str(s): seed_result(algorithm, s) for s in seeds}
+    per_runs = [json.loads((RUNS / f"{run_name(algorithm, m, s)}.json").read_text()) for s in seeds for m in MODES]
     speedups = [r["speedup"] for r in per.values() if r["speedup"]]
     result = {
         "target": "buffered reaches the sync run's final accuracy in less wall-clock time (4x speed spread)",
@@ -172,7 +187,7 @@ def report(algorithm: str, seeds: list[int]) -> dict:
     result["measured_with"] = provenance.measured_with(
         provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(algorithm=algorithm, local_epochs=1))
                                .items() if k != "mode"},
-        varies={"mode": list(MODES)}, data="mnist5k", partition=f"dirichlet:0.3 over {AGENTS} agents", seeds=seeds,
+        varies={"mode": list(MODES)}, run_commits=sorted({r["measured_with"]["commit"] for r in per_runs}), data="mnist5k", partition=f"dirichlet:0.3 over {AGENTS} agents", seeds=seeds,
         fleet=FLEET, note="simulate's defaults for everything COMMON and MODES do not set; runs cached in "
                           "bench/results/buffered_runs/")
     RESULTS.mkdir(parents=True, exist_ok=True)
