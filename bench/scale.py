@@ -232,6 +232,17 @@ def coordinator_main(args: argparse.Namespace) -> None:
     else:
         sites = {s: SiteSpec(1, site_key(args.password, s)) for s in args.sites.split(",")}
         coordinator = TreeCoordinator(FED, "mnist_cnn", data.test, settings, sites=sites)
+    evaluation_cpu = [0.0]  # the central evaluation's share: fixed per round, whatever the participants
+    evaluate = coordinator.objective.evaluate
+
+    def timed_evaluate(*a, **kw):  # noqa: ANN002, ANN003
+        started = time.process_time()
+        try:
+            return evaluate(*a, **kw)
+        finally:
+            evaluation_cpu[0] += time.process_time() - started
+
+    coordinator.objective.evaluate = timed_evaluate
     coordinator.connect("127.0.0.1", args.port, COORDINATOR_USER, args.password)
     counters = SysCounters(args.port, args.sys_password)
     coordinator.wait_for_devices(args.devices, timeout=600)
@@ -239,7 +250,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
     for participants in [int(p) for p in args.participants.split(",")]:
         coordinator.settings.clients_per_round = participants
         before = counters.fresh()
-        cpu = time.process_time()
+        cpu, evaluation_cpu[0] = time.process_time(), 0.0
         records = [coordinator.run_round() for _ in range(args.rounds)]
         cpu = time.process_time() - cpu
         after = counters.fresh()
@@ -252,6 +263,9 @@ def coordinator_main(args: argparse.Namespace) -> None:
             "central_bytes_out_per_round": (after["sent"] - before["sent"]) / len(records),
             "round_seconds": [round(r.seconds, 2) for r in records],
             "coordinator_cpu_s_per_update": cpu / accepted if accepted else None,
+            "coordinator_evaluation_cpu_s_per_round": evaluation_cpu[0] / len(records),
+            "coordinator_cpu_s_per_update_without_evaluation": (cpu - evaluation_cpu[0]) / accepted
+            if accepted else None,
             "rejected": [r.rejected for r in records]})
         print(json.dumps(phases[-1]), flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -285,6 +299,11 @@ def report(flat: dict, tree: dict, args: argparse.Namespace, seconds: float) -> 
                           "tree": statistics.median(t1["round_seconds"])},
         "coordinator_cpu_s_per_update": {"flat": f1["coordinator_cpu_s_per_update"],
                                          "tree": t1["coordinator_cpu_s_per_update"]},
+        "coordinator_cpu_s_per_update_without_evaluation": {
+            "flat": f1.get("coordinator_cpu_s_per_update_without_evaluation"),
+            "tree": t1.get("coordinator_cpu_s_per_update_without_evaluation")},
+        "coordinator_evaluation_cpu_s_per_round": {"flat": f1.get("coordinator_evaluation_cpu_s_per_round"),
+                                                   "tree": t1.get("coordinator_evaluation_cpu_s_per_round")},
         "bytes_per_client_round": per_client, "bytes_per_client_round_note": note,
         "ratio_flat_over_tree": total(f1) / total(t1),
         "tree_by_participants": {str(p["participants"]): total(p) for p in tree["phases"]},
@@ -299,6 +318,18 @@ def report(flat: dict, tree: dict, args: argparse.Namespace, seconds: float) -> 
         low, high = total(tree["phases"][0]), total(tree["phases"][-1])
         out["tree_growth_low_to_high"] = high / low - 1
     return out
+
+
+def evaluation_share(out: dict) -> list[str]:
+    """The central evaluation's part of the coordinator's CPU: fixed per round, so per update it
+    shrinks as participants grow, and it is the operator's choice (`evaluate`), not the fold's."""
+    bare, evaluation = out.get("coordinator_cpu_s_per_update_without_evaluation"), \
+        out.get("coordinator_evaluation_cpu_s_per_round")
+    if not bare or bare.get("tree") is None:
+        return []
+    return [f"- Of that, the central evaluation of each round's model on the test set: {evaluation['flat']:.3f} s "
+            f"(flat) and {evaluation['tree']:.3f} s (tree) of CPU per round; without it, {1000 * bare['flat']:.2f} ms "
+            f"(flat) and {1000 * bare['tree']:.2f} ms (tree) per update."]
 
 
 def markdown(out: dict) -> str:
@@ -321,6 +352,7 @@ def markdown(out: dict) -> str:
                   f"(target >= 20x: {'met' if ratio >= 20 else 'missed'}).",
               f"- Coordinator CPU per accepted update: flat {1000 * cpu['flat']:.2f} ms, tree {1000 * cpu['tree']:.2f} "
               f"ms; site aggregators {1000 * (out['site_aggregator_cpu_s_per_update'] or 0):.2f} ms per update.",
+              *evaluation_share(out),
               f"- Round seconds (median): flat {r['flat']:.1f}, tree {r['tree']:.1f}."]
     if "tree_growth_low_to_high" in out:
         g = out["tree_growth_low_to_high"]

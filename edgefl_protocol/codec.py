@@ -49,8 +49,9 @@ import msgpack
 import numpy as np
 
 from . import compression
-from .bitpack import pack4, unpack4, varint_decode, varint_encode
+from .bitpack import pack4, unpack4, varint_encode
 from .errors import Rejected
+from .sparse_decode import SparseEntry, decode_sparse
 
 EXACT_PREFIX = "extra.exact."  # tensors never sent lossy
 STATE_PREFIX = "extra."  # algorithm state: lossy stages, no error feedback
@@ -242,7 +243,8 @@ def _values_bytes(spec: CodecSpec, n: int) -> int:
     return 8 * chunks + (n if spec.bits == 8 else (n + 1) // 2)
 
 
-def body_limit(spec: CodecSpec, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+@functools.lru_cache(maxsize=64)  # every update of a model in a codec declares the same shapes
+def body_limit(spec: CodecSpec, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
     """The largest body the declared specs allow: decompression stops there."""
     limit = 16
     for name, shape in shapes:
@@ -265,7 +267,7 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
     shapes = check_specs(specs, expected, max_values)
     if not isinstance(body, bytes):
         raise Rejected("schema", "tensor body must be bytes")
-    limit = body_limit(spec, shapes)
+    limit = body_limit(spec, tuple(shapes))
     raw = compression.decompress(body, spec.compressor, limit)
     try:
         entries = msgpack.unpackb(raw, raw=False, max_bin_len=limit, max_str_len=0, max_map_len=0,
@@ -275,9 +277,19 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
     if not isinstance(entries, list) or len(entries) != len(shapes):
         raise Rejected("malformed", f"tensor body must be a list of {len(shapes)} entries")
     out: dict[str, np.ndarray] = {}
+    sparse: list[SparseEntry] = []  # decoded together: see sparse_decode.py
     with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes inf, which _finite rejects
         for (name, shape), entry in zip(shapes, entries):
-            out[name] = _decode_tensor(name, shape, entry, spec)
+            if spec.topk and not (name.startswith(EXACT_PREFIX) or spec.lossless):
+                n = math.prod(shape)
+                sparse.append(SparseEntry(name, n, kept(spec, n), entry, spec.values, spec.bits, spec.chunk))
+                out[name] = None  # type: ignore[assignment]  # keeps the declared order
+            else:
+                out[name] = _decode_tensor(name, shape, entry, spec)
+        flats = decode_sparse(sparse, spec.values, spec.bits, spec.chunk)
+    for name, shape in shapes:
+        if name in flats:
+            out[name] = flats[name].reshape(shape)
     return out
 
 
@@ -285,9 +297,7 @@ def _decode_tensor(name: str, shape: tuple[int, ...], entry: object, spec: Codec
     n = math.prod(shape)
     if name.startswith(EXACT_PREFIX) or spec.lossless:
         flat = _finite(_decode_values(entry, CodecSpec(), n, name), name)
-    elif spec.topk:
-        flat = _decode_sparse(entry, spec, n, name)
-    else:
+    else:  # dense (top-k tensors are decoded together, in sparse_decode.py)
         flat = _finite(_decode_values(entry, spec, n, name), name)
     return flat.reshape(shape)
 
@@ -296,22 +306,6 @@ def _finite(values: np.ndarray, name: str) -> np.ndarray:
     if not np.isfinite(values).all():
         raise Rejected("non_finite", f"tensor {name!r} contains NaN or infinity")
     return values
-
-
-def _decode_sparse(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndarray:
-    k = kept(spec, n)
-    if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int and entry[0] == k
-            and isinstance(entry[1], bytes)):
-        raise Rejected("malformed", f"tensor {name!r}: a top-k entry must be [{k}, index bytes, values]")
-    if len(entry[1]) > 5 * k:
-        raise Rejected("malformed", f"tensor {name!r}: index block too long")
-    index = np.cumsum(varint_decode(entry[1], k) + 1) - 1
-    if k and index[-1] >= n:
-        raise Rejected("malformed", f"tensor {name!r}: index {int(index[-1])} is outside {n} values")
-    values = _finite(_decode_values(entry[2], spec, k, name), name)
-    flat = np.zeros(n, dtype=np.float32)
-    flat[index] = values
-    return flat
 
 
 def _decode_values(entry: object, spec: CodecSpec, n: int, name: str) -> np.ndarray:

@@ -201,3 +201,36 @@ def test_signature_is_checked_before_the_payload_is_read():
     assert info.value.reason == "unknown_key"
     with pytest.raises(ValueError):
         signing.key_from_hex("abcd")
+
+
+@pytest.mark.parametrize("name", ["topk0.1+q4c64+zlib", "topk0.01+q8c16", "topk0.3+float16", "topk0.5+q4"])
+def test_top_k_tensors_decoded_together_are_bit_for_bit_those_decoded_alone(name):
+    """sparse_decode.py decodes an update's top-k tensors in one pass; each alone must agree exactly,
+    sparse gaps of one byte and of several (topk0.01: gaps beyond 127) alike."""
+    rng = np.random.default_rng(7)
+    t = tensors() | {"big": rng.standard_t(3, (40, 250)).astype(np.float32), "odd": rng.normal(size=(3, 3)).astype(np.float32)}
+    e = codec.encode(t, name, None, rng)
+    together = codec.decode(e.codec, e.specs, e.body, codec.specs_of(t), 100_000)
+    spec = codec.parse(name)
+    entries = msgpack.unpackb(compression.decompress(e.body, spec.compressor, 10**7))
+    for (tensor, shape), entry in zip(e.specs, entries):
+        body = compression.compress(msgpack.packb([entry], use_bin_type=True), spec.compressor)
+        alone = codec.decode(e.codec, [[tensor, shape]], body, {tensor: tuple(shape)}, 100_000)[tensor]
+        assert alone.dtype == together[tensor].dtype and alone.shape == together[tensor].shape
+        np.testing.assert_array_equal(alone, together[tensor])
+
+
+def test_a_malformed_tensor_among_good_ones_is_named():
+    t = {"a": np.ones(100, np.float32), "b": np.arange(100, dtype=np.float32), "c": np.ones(50, np.float32)}
+    e = codec.encode(t, "topk0.1+q4c64")
+    entries = msgpack.unpackb(e.body)
+    bad_minima = [entries[0], [entries[1][0], entries[1][1], [b"\x00\x00\xc0\x7f", *entries[1][2][1:]]], entries[2]]
+    with pytest.raises(Rejected, match="tensor 'b': quantization minima") as nan:
+        codec.decode(e.codec, e.specs, msgpack.packb(bad_minima), codec.specs_of(t), 10_000)
+    assert nan.value.reason == "non_finite"
+    far = [entries[0], entries[1], [entries[2][0], bytes([0x7F] * 5), entries[2][2]]]  # 5 x 128 > 50 values
+    with pytest.raises(Rejected, match="tensor 'c': index .* is outside 50 values"):
+        codec.decode(e.codec, e.specs, msgpack.packb(far), codec.specs_of(t), 10_000)
+    short = [entries[0], [entries[1][0], entries[1][1][:-1] + b"\x80", entries[1][2]], entries[2]]
+    with pytest.raises(Rejected, match="index block does not hold exactly 10 varints"):
+        codec.decode(e.codec, e.specs, msgpack.packb(short), codec.specs_of(t), 10_000)

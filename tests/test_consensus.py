@@ -11,20 +11,13 @@ from broker_coordinator.aggregation.consensus import (
     WINDOW,
     Consensus,
     Sketcher,
-    _sylvester,
     disagreeing,
-    hadamard,
     median_cosines,
 )
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
 
 SIZE = 3000
-
-
-def test_the_fast_transform_is_the_hadamard_matrix():
-    x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
-    assert np.allclose(hadamard(x), _sylvester(256) @ x, atol=1e-3)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

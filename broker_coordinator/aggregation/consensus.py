@@ -12,10 +12,10 @@ while sign- and label-flipped updates sat at -0.03 to -0.5 until the model
 converged.
 
 The fold streams, so it cannot hold the round to compare: each update leaves a
-sketch of `SKETCH_DIM` numbers (a count sketch into `SPREAD` buckets, then a
-subsampled randomized Hadamard transform, which keeps cosines within about
-1/sqrt(SKETCH_DIM) even for the sparse deltas of the top-k codec), memory
-O(model + cohort x SKETCH_DIM). When the round
+sketch of `SKETCH_DIM` numbers (a count sketch: every coordinate with a fixed
+random sign, summed into SKETCH_DIM buckets, which keeps cosines within about
+1/sqrt(SKETCH_DIM) for dense and for the top-k codec's sparse deltas alike),
+memory O(model + cohort x SKETCH_DIM). When the round
 closes, an update whose median cosine with the others is below
 min(0, median - MAD_MULTIPLIER x MAD) of the round's is flagged. A device's
 standing is 1 - FLAG_COST x (its flags among its last `WINDOW` judged updates)
@@ -37,8 +37,7 @@ import numpy as np
 
 from broker_coordinator.aggregation.trust import MIN_STANDING
 
-SKETCH_DIM = 2048  # cosines of sketches within about 0.02 of the true ones
-SPREAD = 1 << 14  # the count sketch's buckets, before the Hadamard transform
+SKETCH_DIM = 2048  # cosines of sketches within about 0.02 of the true ones (tests/test_consensus.py)
 MIN_JUDGED = 4  # fewer updates in a round: no majority to speak of, nothing is flagged
 MAD_MULTIPLIER = 2.0
 WINDOW = 5  # judged updates per device remembered
@@ -47,55 +46,30 @@ SEED = 20211  # fixed: a site and the centre sketch the same way
 
 
 class Sketcher:
-    """A delta's sketch: its coordinates, each with a random sign, summed into SPREAD buckets
-    (coordinate j into bucket j mod SPREAD: contiguous, so about a millisecond for a million
-    values; the signs make every cross term zero in expectation), then a subsampled randomized
-    Hadamard transform of the buckets down to `dim` numbers."""
+    """A delta's count sketch: its coordinates, each with a fixed random sign, summed into `dim`
+    buckets (coordinate j into bucket j mod dim). The signs make every cross term zero in expectation,
+    so the inner product of two sketches estimates theirs with a spread of about |x||y|/sqrt(dim),
+    whether the deltas are dense or sparse. Contiguous buckets keep it to one multiply and one
+    strided sum: about 0.08 ms for the 80k CNN, where the subsampled Hadamard transform this
+    replaced took 0.43 ms, a sixth of the coordinator's CPU per update, for the same accuracy
+    (rms cosine error 0.015-0.021 against 0.016-0.018 on top-k sparse deltas of the CNN's shape)."""
 
     def __init__(self, specs: Mapping[str, tuple[int, ...]], dim: int = SKETCH_DIM, seed: int = SEED) -> None:
         self.names = list(specs)
         self.size = sum(int(np.prod(shape)) for shape in specs.values())
-        self.spread = min(SPREAD, 1 << max(6, int(np.ceil(np.log2(max(self.size, 2))))))
-        self.rows = -(-self.size // self.spread)
+        self.dim = dim
+        self.rows = max(1, -(-self.size // dim))
         rng = np.random.default_rng(seed)
         self.coordinate_signs = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), self.size)
-        self.signs = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), self.spread)
-        self.pick = rng.choice(self.spread, min(dim, self.spread), replace=False)
 
     def __call__(self, delta: Mapping[str, np.ndarray]) -> np.ndarray:
-        folded = np.zeros(self.rows * self.spread, dtype=np.float32)
+        folded = np.zeros(self.rows * self.dim, dtype=np.float32)
         start = 0
         for n in self.names:
             values = np.ravel(np.asarray(delta[n], dtype=np.float32))
             np.multiply(values, self.coordinate_signs[start:start + len(values)], out=folded[start:start + len(values)])
             start += len(values)
-        buckets = folded.reshape(self.rows, self.spread).sum(axis=0)
-        return hadamard(buckets * self.signs)[self.pick]
-
-
-def _sylvester(n: int) -> np.ndarray:
-    h = np.ones((1, 1), dtype=np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h
-
-
-BLOCK = _sylvester(64)  # the butterfly's first 6 levels at once, as one small matrix product
-
-
-def hadamard(a: np.ndarray) -> np.ndarray:
-    """The (unnormalized) fast Walsh-Hadamard transform of a vector whose length is a power of 2
-    (at least 64): the levels within 64-blocks as a product with H_64, the rest as butterflies
-    over contiguous halves (about 1.3 ms for 2^17 float32 values)."""
-    out = (a.reshape(-1, 64) @ BLOCK).ravel()
-    h = 64
-    while h < len(out):
-        pairs = out.reshape(-1, 2, h)
-        low = pairs[:, 0, :].copy()
-        pairs[:, 0, :] += pairs[:, 1, :]
-        np.subtract(low, pairs[:, 1, :], out=pairs[:, 1, :])
-        h *= 2
-    return out
+        return folded.reshape(self.rows, self.dim).sum(axis=0)
 
 
 CHUNK = 128  # rows of the cosine matrix at a time: the round's close stays O(cohort x SKETCH_DIM)

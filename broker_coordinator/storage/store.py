@@ -100,6 +100,7 @@ class Store:
         self.db.executescript(SCHEMA)
         self._add_columns()
         self._device_rows: list[tuple] = []  # buffered: one transaction per round, not one per update
+        self._accepted_rows: dict[tuple[int, int, str], int] = {}  # (round, attempt, device) -> its accepted row
         # device -> its latest presence row, buffered: one transaction per drain tick, not one per status
         self._presence: dict[str, tuple] = {}
         self._presence_since = 0.0  # monotonic time of the oldest buffered status
@@ -202,6 +203,7 @@ class Store:
             self._write_presence()
             self._insert_round(r)
         self._device_rows = []
+        self._accepted_rows = {}
 
     def _insert_round(self, r: dict[str, Any]) -> None:
         self.db.execute(
@@ -215,6 +217,8 @@ class Store:
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
                             metrics: dict[str, Any] | None, verdict: str | None = None,
                             verdict_detail: str | None = None) -> None:
+        if accepted:
+            self._accepted_rows[(round_no, attempt, device)] = len(self._device_rows)
         self._device_rows.append((round_no, attempt, device, int(accepted), reason,
                                   json.dumps(metrics) if metrics is not None else None, time.time(),
                                   verdict or None, verdict_detail or None))
@@ -222,10 +226,10 @@ class Store:
     def settle_verdict(self, round_no: int, attempt: int, device: str, verdict: str, detail: str) -> None:
         """The final verdict on an accepted update recorded as pending (or, for an abandoned attempt,
         as folded): in the buffered row, or in the row already written."""
-        for i, row in enumerate(self._device_rows):
-            if row[:3] == (round_no, attempt, device) and row[3]:
-                self._device_rows[i] = (*row[:7], verdict, detail or None)
-                return
+        i = self._accepted_rows.get((round_no, attempt, device))
+        if i is not None:  # a dict, not a scan: a round of 1,000 updates settles 1,000 verdicts
+            self._device_rows[i] = (*self._device_rows[i][:7], verdict, detail or None)
+            return
         self.db.execute("UPDATE device_rounds SET verdict = ?, verdict_detail = ? WHERE round = ? AND attempt = ? "
                         "AND device = ? AND accepted = 1", (verdict, detail or None, round_no, attempt, device))
 
