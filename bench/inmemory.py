@@ -12,13 +12,14 @@ folded, as it folded it (the verdict its receipt would carry), as the agent does
 
 What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
 against `round_timeout` at its emulated speed), and a device's speed is the host's calibrated
-throughput times its class's speed (`broker_coordinator.simulation.fleet.PROFILES`), measured once per process.
+throughput per CPU-second times its class's speed (`broker_coordinator.simulation.fleet.PROFILES`), measured once per process.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,10 +47,13 @@ _host_speed: dict[str, float] = {}
 
 
 def host_speed(arch: str) -> float:
-    """Training samples/s of one thread of this machine for `arch` (calibrated once per process)."""
+    """Training samples per CPU-second of one thread of this machine for `arch` (calibrated once per
+    process). CPU time, not wall time: by wall time a worker calibrated beside other jobs (the
+    benchmarks' own --jobs 2) measured the MNIST MLP at 1,083 samples/s instead of 3,067 and gave its
+    emulated devices fewer epochs than a worker on a quiet machine; by CPU time, 3,087 and 3,521."""
     if arch not in _host_speed:
         model = build_model(arch)
-        _host_speed[arch] = calibrate(model, resolve(arch).input_shape)
+        _host_speed[arch] = calibrate(model, resolve(arch).input_shape, max_steps=2000, clock=time.thread_time)
     return _host_speed[arch]
 
 
