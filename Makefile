@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-settings, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, pi-check, service-check.
+# field, field-settings, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost, pi-check, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
@@ -31,7 +31,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: privacy composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings field-quick spool buffered downlink dist torch-debian
+.PHONY: privacy dp-sgd-cost composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -50,6 +50,9 @@ downlink: setup mosquitto  # bench/results/downlink.json, downlink.md (float32 v
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q
+
+dp-sgd-cost: setup  # bench/results/dp_sgd_cost.json, .md: a device's local round with and without DP-SGD under a Pi 4's CPU quota (about 2 minutes)
+	$(BIN)/python -m bench.dp_sgd_cost $(DP_SGD_COST_ARGS)
 
 composition: setup mosquitto  # bench/results/composition.json, .md: every cell of the engine's choices, real brokers and agents (about 25 minutes on a quiet 2-core machine)
 	nice -n 5 $(BIN)/python -m bench.composition $(COMPOSITION_ARGS)

@@ -47,6 +47,7 @@ from models.architectures import ModelError, build_model, fingerprint, get_weigh
 from models.datasets import DatasetError
 from models.objectives import Objective, format_score
 
+from . import dp_sgd
 from .config import AgentConfig
 from .data_sources import DataSource, LocalData, check_fits, open_source
 from .hardware import calibrate, default_threads, plan_epochs, probe
@@ -65,8 +66,11 @@ def local_settings(hp: dict) -> LocalSettings:
     """The task's training settings, range-checked (edgefl_protocol.task_limits): a hostile task is
     refused, not obeyed."""
     v = check_training(hp)
+    dp = dp_sgd.from_task(hp)
+    if dp is not None and (why := dp_sgd.unavailable()):
+        raise Rejected(dp_sgd.UNAVAILABLE, why)
     return LocalSettings(epochs=int(v["local_epochs"]), batch_size=int(v["batch_size"]), lr=v["lr"],
-                         momentum=v["momentum"], weight_decay=v["weight_decay"], grad_clip=v["grad_clip"])
+                         momentum=v["momentum"], weight_decay=v["weight_decay"], grad_clip=v["grad_clip"], dp=dp)
 
 
 class Agent(ModelFetch, Settlement):
@@ -321,6 +325,10 @@ class Agent(ModelFetch, Settlement):
         finally:
             self.busy = False
         result.metrics["epochs_reason"] = epochs_reason
+        if settings.dp:  # the device's own epsilon, in its update and its status
+            ledger = self.state.data.setdefault("dp_sgd", [])
+            self.profile["dp_epsilon"] = result.metrics["dp_epsilon"] = dp_sgd.spend(
+                ledger, settings.dp, float(result.metrics["dp_sample_rate"]), int(result.metrics["steps"]))
         result.metrics.update(evaluation)
         speeds = self.state.data.setdefault("samples_per_s", {})
         measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)

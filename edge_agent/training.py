@@ -24,6 +24,7 @@ from models.architectures import get_weights
 from models.datasets import Dataset
 from models.objectives import Objective
 
+from .dp_sgd import DeviceDP, noise_generator, per_example_model, private_backward
 from .optim import LocalSGD
 
 
@@ -39,6 +40,7 @@ class LocalSettings:
     momentum: float = 0.0
     weight_decay: float = 1e-3
     grad_clip: float = 10.0
+    dp: DeviceDP | None = None  # [privacy] device = "dp-sgd": each step's data gradient privatized (dp_sgd.py)
 
 
 @dataclass
@@ -72,6 +74,8 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
     epochs = rule.local_epochs(settings.epochs)
     steps_per_epoch = math.ceil(len(y_all) / settings.batch_size)
     rule.begin(model, global_params, epochs * steps_per_epoch, len(y_all))
+    private = per_example_model(model) if settings.dp else None  # dp-sgd: the same parameters, hooked
+    noise = noise_generator() if settings.dp else None
 
     model.train()
     step, loss_sum, passes = 0, 0.0, 0
@@ -83,7 +87,10 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
             batch = order[start:start + settings.batch_size]
             x, y = x_all[batch], y_all[batch]
             loss = None
-            if rule.wants_clean_gradient(step):           # pass 1: gradient at theta
+            if private is not None:                       # dp-sgd: pass 1 clipped per example, noised
+                loss = private_backward(private, params, loss_fn, x, y, settings.dp, noise)
+                passes += 1
+            elif rule.wants_clean_gradient(step):         # pass 1: gradient at theta
                 loss = forward_backward(model, loss_fn, x, y)
                 passes += 1
             eps = rule.perturbation(step, params, loss)   # SAM family: the ascent step (fresh or reused)
@@ -103,6 +110,8 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
             loss_sum += loss
             step += 1
 
+    if private is not None:
+        private.remove_hooks()
     end_weights = get_weights(model)
     metrics: dict[str, Scalar] = {
         "train_loss": loss_sum / max(step, 1),
@@ -111,6 +120,8 @@ def train_locally(model: nn.Module, data: Dataset, rule: ClientRule, settings: L
         "passes": passes,
         "train_seconds": time.perf_counter() - started,
     }
+    if settings.dp:
+        metrics["dp_sample_rate"] = min(1.0, settings.batch_size / max(len(y_all), 1))
     metrics.update(rule.end(params))
     delta = {name: end_weights[name] - start_weights[name] for name in start_weights}
     delta.update(rule.extra_tensors())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -64,3 +65,16 @@ class Fleet:
 def write_test_set(path: Path, data: datasets.Dataset) -> Path:
     np.savez(path, x=data.x, y=data.y)
     return path
+
+
+def simulate_with_config(tmp: Path, config_text: str, agents: int = 3, rounds: int = 2,
+                         dataset: str = "digits") -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`broker-coordinator simulate --config FILE` as a user runs it: its output and history.json's rounds."""
+    config = tmp / "sim.toml"
+    config.write_text(config_text)
+    out = tmp / "out"
+    result = subprocess.run([sys.executable, "-m", "broker_coordinator", "simulate", "--agents", str(agents),
+                             "--rounds", str(rounds), "--dataset", dataset, "--out", str(out), "--config", str(config)],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    return result, json.loads((out / "history.json").read_text())["rounds"]

@@ -23,6 +23,7 @@ from broker_coordinator.simulation.in_memory import fold_round  # noqa: E402
 from broker_coordinator.storage.store import Store  # noqa: E402
 from edgefl_protocol import codec, messages, signing  # noqa: E402
 from edgefl_protocol.settings import ConfigError  # noqa: E402
+from .fleet import simulate_with_config  # noqa: E402
 
 DELTA = 1e-5
 SPECS = {"w": (50, 20), "b": (20,)}
@@ -189,16 +190,9 @@ def test_private_defaults_load():
 
 
 def test_simulate_reports_epsilon_in_history(tmp_path):
-    config = tmp_path / "sim.toml"
-    config.write_text('[rounds]\nalgorithm = "fedavg"\nclients_per_round = 3\n'
-                      '[privacy]\nmode = "central"\nnoise_multiplier = 0.5\ntarget_epsilon = 1000.0\n'
-                      'delta = 0.01\nclip = 1.0\n')
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "broker_coordinator", "simulate", "--agents", "3", "--rounds", "2",
-                             "--dataset", "digits", "--out", str(out), "--config", str(config)],
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr
-    rounds = json.loads((out / "history.json").read_text())["rounds"]
+    result, rounds = simulate_with_config(tmp_path, '[rounds]\nalgorithm = "fedavg"\nclients_per_round = 3\n'
+                                          '[privacy]\nmode = "central"\nnoise_multiplier = 0.5\n'
+                                          'target_epsilon = 1000.0\ndelta = 0.01\nclip = 1.0\n')
     assert rounds, result.stdout
     epsilons = [r["privacy"]["epsilon"] for r in rounds]
     assert all(e > 0 for e in epsilons) and epsilons == sorted(epsilons)

@@ -37,6 +37,12 @@ def _private(s: RoundSettings) -> bool:
     return s.privacy.on
 
 
+def _sam_family(s: RoundSettings) -> bool:
+    """Whether the algorithm's client rule takes SAM's ascent step (its hyperparameters have a radius)."""
+    from edgefl_protocol import algorithms
+    return any(name == "rho" or name.startswith("rho_") for name in algorithms.get(s.algorithm).defaults)
+
+
 def _reads_devices(s: RoundSettings) -> str:
     """What an algorithm's server rule takes from the devices besides the clipped delta ("" = nothing)."""
     from edgefl_protocol import algorithms
@@ -78,6 +84,12 @@ RULES: tuple[Rule, ...] = (
          lambda s, t: _private(s) and bool(_reads_devices(s)),
          'algorithm = "fedavg", "fedprox" or "fedsam"',
          lambda s: f'algorithm = "{s.algorithm}" uses {_reads_devices(s)}'),
+    Rule('privacy device dp-sgd + a SAM-family algorithm', "not built",
+         "SAM's ascent pass reads the batch a second time each step; DP-SGD would have to clip, noise and "
+         "account that pass as well (edge_agent/dp_sgd.py privatizes the one gradient of a plain step)",
+         lambda s, t: s.privacy.device_dp and _sam_family(s),
+         'algorithm = "fedavg", "fedprox" or "feddyn"',
+         lambda s: f'algorithm = "{s.algorithm}" takes a SAM ascent step on the data every step'),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

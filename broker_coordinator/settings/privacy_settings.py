@@ -19,6 +19,11 @@
                               # as Poisson subsampling); fixed: exactly m of the eligible devices
                               # (accounted as sampling without replacement, replace-one neighbours)
     accountant = "rdp"        # rdp | pld, both from Google's dp-accounting (pip install edgefl[privacy])
+    device = "off"            # off | dp-sgd: each device also trains with sample-level DP-SGD (Opacus on the
+                              # device: pip install 'edgefl[device-privacy]'), and reports its own epsilon
+    device_noise_multiplier = 1.0  # dp-sgd: z, noise std over the per-example clip
+    device_clip = 1.0         # dp-sgd: each example's gradient clipped to this L2 norm
+    device_delta = 1e-5       # dp-sgd: the delta of the device's own epsilon (over its samples)
 
 m is [rounds] clients_per_round (0: every device, q = 1). Everything here is checked at load;
 what privacy rules out in the rest of the configuration is `composition`'s to refuse.
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PRIVACY_MODES = ("off", "central")
+DEVICE_MODES = ("off", "dp-sgd")
 SAMPLINGS = ("poisson", "fixed")
 ACCOUNTANTS = ("rdp", "pld")
 MISSING = ("[privacy] mode = \"central\" needs Google's dp-accounting: pip install 'edgefl[privacy]' "
@@ -51,10 +57,25 @@ class PrivacySettings:
     clip_count_stddev: float = 0.0
     sampling: str = "poisson"
     accountant: str = "rdp"
+    device: str = "off"
+    device_noise_multiplier: float = 1.0
+    device_clip: float = 1.0
+    device_delta: float = 1e-5
 
     @property
     def on(self) -> bool:
         return self.mode == "central"
+
+    @property
+    def device_dp(self) -> bool:
+        return self.device == "dp-sgd"
+
+    def device_hparams(self) -> dict[str, float]:
+        """What a task tells each device when it trains with DP-SGD ({} when it does not)."""
+        if not self.device_dp:
+            return {}
+        return {"dp_sgd_noise": self.device_noise_multiplier, "dp_sgd_clip": self.device_clip,
+                "dp_sgd_delta": self.device_delta}
 
     @property
     def adaptive(self) -> bool:
@@ -63,6 +84,7 @@ class PrivacySettings:
     def validate(self) -> None:
         if self.mode not in PRIVACY_MODES:
             raise ValueError(f"mode must be one of {', '.join(PRIVACY_MODES)}, got {self.mode!r}")
+        self._validate_device()
         if not self.on:
             return
         clip_ok = self.clip == "adaptive" or (isinstance(self.clip, (int, float)) and not isinstance(self.clip, bool)
@@ -92,6 +114,18 @@ class PrivacySettings:
             if not ok:
                 raise ValueError(message)
         require_accounting()
+
+    def _validate_device(self) -> None:
+        if self.device not in DEVICE_MODES:
+            raise ValueError(f"device must be one of {', '.join(DEVICE_MODES)}, got {self.device!r}")
+        if not self.device_dp:
+            return
+        for name, ok, need in (("device_noise_multiplier", 0 < self.device_noise_multiplier < 1e3, "in (0, 1000)"),
+                               ("device_clip", 0 < self.device_clip < 1e6, "in (0, 1e6)"),
+                               ("device_delta", 0 < self.device_delta < 1, "in (0, 1)")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+                raise ValueError(f"{name} must be {need} with device = \"dp-sgd\", got {value!r}")
 
     def check_population(self, population: int) -> None:
         """delta must be below 1/N: at 1/N a mechanism that publishes one device's data outright is

@@ -161,6 +161,7 @@ class RoundSettings:
             "local_epochs": self.local_epochs, "batch_size": self.batch_size,
             "lr": self.lr * self.lr_decay ** (round_no - 1), "momentum": self.momentum,
             "weight_decay": self.weight_decay, "grad_clip": self.grad_clip,
+            **self.privacy.device_hparams(),
         }
 
 
