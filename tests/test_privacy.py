@@ -2,10 +2,7 @@
 implementation, the private fold's sensitivity and noise, the budget stop, the checkpoint that never
 refunds epsilon, the refusals at config load, and one `simulate` run over a real Mosquitto."""
 
-import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
