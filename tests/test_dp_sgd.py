@@ -104,3 +104,20 @@ def test_simulate_with_dp_sgd_devices_reports_their_epsilon(tmp_path):
     assert [r["participants"] for r in rounds] == [3, 3], result.stdout
     first, second = ({d: m["dp_epsilon"] for d, m in r["devices"].items()} for r in rounds)
     assert set(first) == set(second) and all(0 < first[d] < second[d] for d in first)  # never refunded
+
+
+def test_status_shows_each_device_s_own_epsilon(tmp_path):
+    from broker_coordinator.cli.service import status
+    from broker_coordinator.storage.store import Store
+    from edgefl_protocol.settings import to_toml
+    store = Store(tmp_path / "state")
+    store.record_presence("dev-a", True, {"dp_epsilon": 1.25, "threads": 1})
+    store.record_presence("dev-b", True, {"threads": 1})
+    store.close()
+    config = tmp_path / "c.toml"
+    config.write_text(to_toml({"federation": {"name": "f", "model": "digits_mlp", "test_data": "unused.npz"},
+                               "broker": {"password": "x"}, "storage": {"state_dir": str(tmp_path / "state")}}))
+    lines: list[str] = []
+    status(load_config(config, with_rounds=False), lines.append)
+    assert "its own DP-SGD epsilon 1.25" in next(line for line in lines if "dev-a" in line)
+    assert "epsilon" not in next(line for line in lines if "dev-b" in line)

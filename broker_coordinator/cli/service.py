@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -118,6 +119,15 @@ def rollback(config: CoordinatorConfig, to_round: int, echo: Callable[[str], Non
     return 0
 
 
+def _device_epsilon(profile: object) -> float | None:
+    """A device's own DP-SGD epsilon from its last status ([privacy] device = "dp-sgd"), if it reports one."""
+    try:
+        value = json.loads(profile).get("dp_epsilon") if isinstance(profile, str) else None
+    except (ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     store = Store(config.storage.state_dir)
     try:
@@ -149,6 +159,8 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
         seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
         # by the fold's verdict: a left-out update is accepted but contributed nothing
         unjudged = f", other accepted answers {d['unjudged']}" if d["unjudged"] else ""
+        epsilon = _device_epsilon(d.get("profile"))
         echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
-             f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}")
+             f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}"
+             + (f", its own DP-SGD epsilon {epsilon:.4g}" if epsilon is not None else ""))
     return 0
