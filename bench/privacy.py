@@ -87,7 +87,8 @@ def synthetic(cap: int, test_size: int, shared: bool = True) -> tuple[list[datas
 # so a round moves the model about as far as 2 steps of gradient descent on the pooled data. At 0.05,
 # 40 rounds stayed at 50.8% (seed 0, 2026-11): trained on the pooled data of 1,000 devices by full-batch
 # descent the MLP is at 52.6% after 12 steps at 0.5 and at 79.0% after 80 (90.3% after 400), and at
-# 0.05 it needs ten times the steps; at 1.0 it diverges. 0.5 lets 40 rounds learn.
+# 0.05 it needs ten times the steps; at 1.0 it diverges. At 0.5 the federation ended at 52.9% without
+# privacy (2026-12-02): it learns, but far more slowly than descent on the pooled data (docs/PRIVACY.md).
 SYNTHETIC_LR = 0.5
 
 
