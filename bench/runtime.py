@@ -190,7 +190,7 @@ def scale_run(size: int, rounds: int, workdir: Path) -> dict:
                 assert s.stdout.readline().strip() == "ready", "a swarm process failed to connect"
             out = workdir / "coordinator.json"
             worker = subprocess.run([sys.executable, __file__, "_coordinator", "--port", str(broker.port),
-                                     "--password", password, "--size", str(size), "--rounds", str(rounds),
+                                     f"--password={password}", "--size", str(size), "--rounds", str(rounds),
                                      "--state", str(workdir / "state"), "--result", str(out)],
                                     capture_output=True, text=True, timeout=1800)
             if worker.returncode != 0:

@@ -105,7 +105,7 @@ def run_coordinator(workdir: Path, topology: str, port: int, password: str, sys_
                     participants: list[int], rounds: int, sites: list[str], timeout: float) -> subprocess.Popen:
     result = workdir / f"coordinator-{topology}.json"
     return subprocess.Popen([sys.executable, "-m", "bench.scale", "_coordinator", "--topology", topology,
-                             "--port", str(port), "--password", password, "--sys-password", sys_password,
+                             "--port", str(port), f"--password={password}", f"--sys-password={sys_password}",
                              "--devices", str(devices), "--participants", ",".join(map(str, participants)),
                              "--rounds", str(rounds), "--sites", ",".join(sites), "--timeout", str(timeout),
                              "--result", str(result)], cwd=ROOT,
