@@ -88,7 +88,9 @@ def synthetic(cap: int, test_size: int, shared: bool = True) -> tuple[list[datas
 # 40 rounds stayed at 50.8% (seed 0, 2026-11): trained on the pooled data of 1,000 devices by full-batch
 # descent the MLP is at 52.6% after 12 steps at 0.5 and at 79.0% after 80 (90.3% after 400), and at
 # 0.05 it needs ten times the steps; at 1.0 it diverges. At 0.5 the federation ended at 52.9% without
-# privacy (2026-12-02): it learns, but far more slowly than descent on the pooled data (docs/PRIVACY.md).
+# privacy (2026-12-02): it learns, but far more slowly than descent on the pooled data. A probe with one
+# full-batch local step a round (batch 50) reached 68% by round 25: the two local steps hold it back
+# (docs/PRIVACY.md); the rows on file were measured with two.
 SYNTHETIC_LR = 0.5
 
 
