@@ -116,7 +116,9 @@ def epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
 def spend(ledger: list, dp: DeviceDP, sample_rate: float, steps: int) -> float:
     """Book a round's steps in the device's persisted ledger, [(z, sample rate, steps), ...], and return
     its epsilon at the task's delta. Booked when the update is made, whatever the coordinator does
-    with it: what left the device is spent."""
-    if steps:
+    with it: what left the device is spent. Rounds at the same (z, sample rate) share one row."""
+    if steps and ledger and list(ledger[-1][:2]) == [dp.noise_multiplier, sample_rate]:
+        ledger[-1][2] += steps
+    elif steps:
         ledger.append([dp.noise_multiplier, sample_rate, steps])
     return epsilon(ledger, dp.delta)

@@ -74,7 +74,6 @@ class Layout:
         value_start = np.repeat(self.kept_starts, kept)
         self.positions = _starts(sizes)  # each tensor's first value in the model's flat vector
         self.offset = np.repeat(self.positions, kept)
-        self.value_starts = value_start
         position = np.arange(self.count, dtype=np.int64) - value_start  # within its tensor
         # each tensor's nibbles start on a byte: skip the padding nibble an odd count leaves
         self.nibble = (np.arange(self.count, dtype=np.int64)

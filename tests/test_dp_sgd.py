@@ -121,3 +121,13 @@ def test_status_shows_each_device_s_own_epsilon(tmp_path):
     status(load_config(config, with_rounds=False), lines.append)
     assert "its own DP-SGD epsilon 1.25" in next(line for line in lines if "dev-a" in line)
     assert "epsilon" not in next(line for line in lines if "dev-b" in line)
+
+
+def test_rounds_at_the_same_noise_and_rate_share_one_ledger_row():
+    dp = dp_sgd.DeviceDP(noise_multiplier=1.1, clip=1.0, delta=1e-5)
+    ledger: list = []
+    for _ in range(3):
+        dp_sgd.spend(ledger, dp, 0.02, 100)
+    dp_sgd.spend(ledger, dp, 0.05, 10)
+    assert ledger == [[1.1, 0.02, 300], [1.1, 0.05, 10]]
+    assert dp_sgd.epsilon(ledger, 1e-5) == pytest.approx(dp_sgd.epsilon([[1.1, 0.02, 100]] * 3 + [[1.1, 0.05, 10]], 1e-5))

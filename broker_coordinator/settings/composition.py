@@ -38,9 +38,10 @@ def _private(s: RoundSettings) -> bool:
 
 
 def _sam_family(s: RoundSettings) -> bool:
-    """Whether the algorithm's client rule takes SAM's ascent step (its hyperparameters have a radius)."""
+    """Whether the algorithm's client rule takes SAM's ascent step (it overrides `perturbation`)."""
     from edgefl_protocol import algorithms
-    return any(name == "rho" or name.startswith("rho_") for name in algorithms.get(s.algorithm).defaults)
+    from edgefl_protocol.algorithms.base import ClientRule
+    return algorithms.get(s.algorithm).client.perturbation is not ClientRule.perturbation
 
 
 def _reads_devices(s: RoundSettings) -> str:
