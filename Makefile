@@ -1,6 +1,7 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-settings, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost, pi-check, service-check.
+# field, field-settings, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost,
+# pi-check, pi-dp-sgd, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
 # `make pi-check` and `make service-check` (root, several minutes each; not in
@@ -31,7 +32,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: privacy dp-sgd-cost composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings field-quick spool buffered downlink dist torch-debian
+.PHONY: privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -120,6 +121,11 @@ mosquitto:
 # /var/cache/edgefl-pi-root (PI_ROOT_CACHE=...). Writes bench/results/pi_check.json and .md.
 pi-check: setup mosquitto
 	$(BIN)/python -m bench.pi.pi_check $(PI_CHECK_ARGS)
+
+# DP-SGD's cost on the emulated Pis, in the root pi-check installed (opacus added to its venv); root.
+# Writes bench/results/pi_dp_sgd.json and .md.
+pi-dp-sgd: setup
+	$(BIN)/python -m bench.pi.dp_sgd_pi $(PI_DP_SGD_ARGS)
 
 # the operator guide under systemd as PID 1 in systemd-nspawn containers; root.
 # Writes bench/results/service_check.json.

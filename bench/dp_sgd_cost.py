@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -26,12 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import provenance  # noqa: E402
+from bench.pi.train_probe import DP_CLIP, DP_NOISE, ROUND_SAMPLES  # noqa: E402
 from broker_coordinator.simulation.fleet import PROFILES, CgroupUnavailable, Cgroups, join_command  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODELS = {"mnist_cnn": "mnist5k", "digits_mlp": "digits"}
-SAMPLES = 250
-NOISE, CLIP = 1.0, 1.0
+SAMPLES, NOISE, CLIP = ROUND_SAMPLES, DP_NOISE, DP_CLIP
 
 
 def one_round(arch: str, private: bool) -> dict:
@@ -39,24 +38,13 @@ def one_round(arch: str, private: bool) -> dict:
     import numpy as np
     import torch
 
-    from edge_agent import dp_sgd
-    from edge_agent.training import LocalSettings, train_locally
-    from edgefl_protocol import algorithms
+    from bench.pi.train_probe import local_round
     from models import datasets
     from models.architectures import build_model
 
     torch.set_num_threads(1)
     data = datasets.load(MODELS[arch]).train.subset(np.arange(SAMPLES))
-    dp = dp_sgd.DeviceDP(NOISE, CLIP, 1e-5) if private else None
-    settings = LocalSettings(epochs=1, batch_size=32, lr=0.05, dp=dp)
-    rule = algorithms.get("fedavg").client({}, {}, {}, {})
-    started = time.perf_counter()
-    if private:  # once per agent process, not per round: timed on its own
-        import opacus  # noqa: F401
-    imported = time.perf_counter()
-    train_locally(build_model(arch), data, rule, settings, seed=0)
-    return {"seconds": time.perf_counter() - imported, "import_seconds": imported - started,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return local_round(build_model(arch), data.x, data.y, private)
 
 
 def measure(arch: str, private: bool, limits: list[Path] | None) -> dict:

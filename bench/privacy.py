@@ -90,16 +90,18 @@ def synthetic(cap: int, test_size: int, shared: bool = True) -> tuple[list[datas
 # 0.05 it needs ten times the steps; at 1.0 it diverges. At 0.5 the federation ended at 52.9% without
 # privacy (2026-12-02): it learns, but far more slowly than descent on the pooled data. A probe with one
 # full-batch local step a round (batch 50) reached 68% by round 25: the two local steps hold it back
-# (docs/PRIVACY.md); the rows on file were measured with two.
+# (docs/PRIVACY.md), so the devices now train in batches of SYNTHETIC_BATCH: one step of their 50 samples.
 SYNTHETIC_LR = 0.5
+SYNTHETIC_BATCH = 50
 
 
 def settings_for(algorithm: str, epsilon: str, cohort: int, population: int, rounds: int,
-                 clip_initial: float, lr: float) -> RoundSettings:
+                 clip_initial: float, lr: float, batch_size: int = 32) -> RoundSettings:
     privacy = PrivacySettings() if epsilon == "none" else PrivacySettings(
         mode="central", target_epsilon=float(epsilon), delta=DELTA, planned_rounds=rounds, population=population,
         clip="adaptive", clip_initial=clip_initial)
-    return RoundSettings(algorithm=algorithm, clients_per_round=cohort, local_epochs=1, lr=lr, aggregator="mean",
+    return RoundSettings(algorithm=algorithm, clients_per_round=cohort, local_epochs=1, lr=lr, batch_size=batch_size,
+                         aggregator="mean",
                          weighting="uniform", norm_bound=0, round_timeout=60, privacy=privacy)
 
 
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip-initial", type=float, default=0.5)
     ap.add_argument("--synthetic-lr", type=float, default=SYNTHETIC_LR,
                     help="the synthetic devices' learning rate (see SYNTHETIC_LR for why 0.5)")
+    ap.add_argument("--synthetic-batch", type=int, default=SYNTHETIC_BATCH,
+                    help="the synthetic devices' batch size (50: one local step of a capped device's 50 samples)")
     ap.add_argument("--only", choices=("1000of10000", "10of20"), default=None)
     ap.add_argument("--synthetic-labels", choices=("shared", "per-device"), default="shared",
                     help="one labelling model for every synthetic device (learnable), or FedProx's own per device")
@@ -288,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "10of20":
         clients, test = synthetic(args.cap, args.test, args.synthetic_labels == "shared")
         sizing = (f"r{args.synthetic_rounds}-cap{args.cap}-test{args.test}-{args.synthetic_labels}"
-                  f"-clip{args.clip_initial:g}" + ("" if args.synthetic_lr == 0.05 else f"-lr{args.synthetic_lr:g}"))
+                  f"-clip{args.clip_initial:g}" + ("" if args.synthetic_lr == 0.05 else f"-lr{args.synthetic_lr:g}")
+                  + ("" if args.synthetic_batch == 32 else f"-batch{args.synthetic_batch}"))
         done = cached_runs(RUNS / f"1000of10000-{sizing}", args.synthetic_seeds, lambda eps, seed: run(
             f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
-            settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr),
+            settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
+                         args.synthetic_batch),
             args.synthetic_rounds, seed))
         if done is None:
             return 0  # another process runs the rest and writes the result
@@ -317,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         if "1000of10000" in runs and args.only != "10of20" else (merged or {}).get("round_seconds", {})
     result = {
         "measured_with": provenance.measured_with(provenance.invoked(), provenance.deciding(
-            settings_for("fedprox", "8", 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr)),
+            settings_for("fedprox", "8", 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
+                         args.synthetic_batch)),
             delta=DELTA, sampling="poisson", clip="adaptive", clip_initial=args.clip_initial, local_epochs=1,
             transport={"1000of10000": "in-memory (bench/inmemory.py)",
                        "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),

@@ -52,6 +52,7 @@ from . import compression
 from .bitpack import pack4, unpack4, varint_encode
 from .errors import Rejected
 from .sparse_decode import SparseEntry, decode_sparse
+from .sparse_delta import Decoded, SparseDelta
 
 EXACT_PREFIX = "extra.exact."  # tensors never sent lossy
 STATE_PREFIX = "extra."  # algorithm state: lossy stages, no error feedback
@@ -286,11 +287,14 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
                 out[name] = None  # type: ignore[assignment]  # keeps the declared order
             else:
                 out[name] = _decode_tensor(name, shape, entry, spec)
-        flats = decode_sparse(sparse, spec.values, spec.bits, spec.chunk)
-    for name, shape in shapes:
-        if name in flats:
-            out[name] = flats[name].reshape(shape)
-    return out
+        flat, positions, values = decode_sparse(sparse, spec.values, spec.bits, spec.chunk)
+    decoded = Decoded(out)
+    if sparse:
+        shape_of = dict(shapes)
+        decoded.sparse = SparseDelta(tuple(e.name for e in sparse), tuple(shape_of[e.name] for e in sparse),
+                                     positions, values, flat)
+        decoded.update(decoded.sparse)
+    return decoded
 
 
 def _decode_tensor(name: str, shape: tuple[int, ...], entry: object, spec: CodecSpec) -> np.ndarray:

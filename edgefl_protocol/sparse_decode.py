@@ -130,10 +130,11 @@ def _values(entries: Sequence[SparseEntry], values: str, where: Layout) -> np.nd
 
 
 def decode_sparse(entries: Sequence[SparseEntry], values: str, bits: int,
-                  chunk: int | None) -> dict[str, np.ndarray]:
-    """name -> flat float32 array of its tensor (views of one buffer). Raises only `Rejected`."""
+                  chunk: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entries' tensors end to end, dense (float32), with the positions of their kept values in
+    that vector (increasing) and the values. Raises only `Rejected`."""
     if not entries:
-        return {}
+        return np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
     where = layout(tuple(e.size for e in entries), tuple(e.kept for e in entries), bits, chunk)
     positions = _positions(entries, where)
     decoded = _values(entries, values, where)
@@ -143,4 +144,4 @@ def decode_sparse(entries: Sequence[SparseEntry], values: str, bits: int,
                 raise Rejected("non_finite", f"tensor {e.name!r} contains NaN or infinity")
     flat = np.zeros(where.total, dtype=np.float32)
     flat[positions] = decoded
-    return {e.name: flat[start:start + e.size] for e, start in zip(entries, where.positions)}
+    return flat, positions, decoded

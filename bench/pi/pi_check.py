@@ -283,7 +283,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--torch", choices=sorted(CANDIDATES), default=README_CANDIDATE,
                         help=f"which install to check ({README_CANDIDATE}: the README's)")
-    parser.add_argument("--install-only", action="store_true", help="install and measure the size; no Pi checks")
+    parser.add_argument("--install-only", action="store_true",
+                        help="install and measure the size, no Pi checks, no results written (for make pi-dp-sgd)")
     parser.add_argument("--sizes-only", action="store_true",
                         help="recompute the installed sizes of an existing run's root and results file, run nothing")
     parser.add_argument("--reuse-install", action="store_true",
@@ -357,9 +358,8 @@ def run(args: argparse.Namespace, echo) -> dict:
                                       "guide_blocks": ["build", "pi-copy", candidate["block"]]},
                     "emulation": "qemu-user-static (Debian bookworm) via binfmt, chroot",
                     "cores_forced": PI_CORES, "memory_method": METHOD, "install": install, "pis": {}}
-    if args.install_only:
-        report.update(torch=candidate["build"], pis_not_checked="--install-only: install and size measured, no Pi checks")
-        write_results(report)
+    if args.install_only:  # the results files keep the last full check's report
+        echo(f"--install-only: {root} is installed; bench/results/ left as it was (make pi-check writes it)")
         return report
     with pi_root.mounted(root):
         for pi in args.pis.split(","):

@@ -7,6 +7,11 @@ clipping and edge_agent.optim.LocalSGD with the runtime's default settings.
 
     python bench/pi/train_probe.py make-inputs MODEL FILE.npz     # weights and batches, seed 0
     python bench/pi/train_probe.py train FILE.npz OUT.json [--threads N | --default-threads-for CORES]
+    python bench/pi/train_probe.py local-round FILE.npz OUT.json [--dp] [--threads N]   # make pi-dp-sgd
+
+`local-round` is one device's local round (FedAvg, one epoch over the first 250 of the inputs'
+samples, batch 32) with or without sample-level DP-SGD (z 1.0, C 1.0), timed apart from importing
+Opacus: what `make dp-sgd-cost` measures on this host and `make pi-dp-sgd` under emulation.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 STEPS, BATCH = 20, 32
+ROUND_SAMPLES, DP_NOISE, DP_CLIP = 250, 1.0, 1.0  # local-round: the sizes `make dp-sgd-cost` uses
 DATASETS = {"mnist_cnn": "mnist5k", "mnist_mlp": "mnist5k", "digits_mlp": "digits", "logreg60": "synthetic"}
 
 
@@ -62,6 +68,40 @@ def train(inputs: Path, threads: int) -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda, "machine": platform.machine()}
 
 
+def local_round(model: nn.Module, x: np.ndarray, y: np.ndarray, private: bool) -> dict:
+    """One local round of the agent's own training (edge_agent.training.train_locally): its seconds,
+    the seconds importing Opacus took before it (once per agent process) and the process's peak RSS."""
+    import resource
+
+    from edge_agent import dp_sgd
+    from edge_agent.training import LocalSettings, train_locally
+    from edgefl_protocol import algorithms
+    from models.datasets import Dataset
+
+    dp = dp_sgd.DeviceDP(DP_NOISE, DP_CLIP, 1e-5) if private else None
+    settings = LocalSettings(epochs=1, batch_size=BATCH, lr=0.05, dp=dp)
+    rule = algorithms.get("fedavg").client({}, {}, {}, {})
+    started = time.perf_counter()
+    if private:
+        import opacus  # noqa: F401
+    imported = time.perf_counter()
+    train_locally(model, Dataset(x, y), rule, settings, seed=0)
+    return {"seconds": time.perf_counter() - imported, "import_seconds": imported - started,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__}
+
+
+def local_round_from(inputs: Path, private: bool) -> dict:
+    from models.architectures import build_model, set_weights
+
+    data = np.load(inputs)
+    model = build_model(str(data["model"]))
+    set_weights(model, {k[2:]: data[k] for k in data.files if k.startswith("w.")})
+    x = data["x"].reshape(-1, *data["x"].shape[2:])[:ROUND_SAMPLES]
+    y = data["y"].reshape(-1)[:ROUND_SAMPLES]
+    return local_round(model, x, y, private)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,7 +114,16 @@ def main() -> int:
     run.add_argument("--threads", type=int, default=0)
     run.add_argument("--default-threads-for", type=int, default=4, metavar="CORES",
                      help="with --threads 0: the agent's default for a device with this many cores")
+    one = sub.add_parser("local-round")
+    one.add_argument("inputs", type=Path)
+    one.add_argument("out", type=Path)
+    one.add_argument("--dp", action="store_true", help="with sample-level DP-SGD")
+    one.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.command == "local-round":
+        torch.set_num_threads(args.threads)
+        args.out.write_text(json.dumps(local_round_from(args.inputs, args.dp)))
+        return 0
     if args.command == "make-inputs":
         make_inputs(args.model, args.path)
         return 0

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from edgefl_protocol.sparse_delta import SparseDelta
 from broker_coordinator.aggregation.trust import MIN_STANDING
 
 SKETCH_DIM = 2048  # cosines of sketches within about 0.02 of the true ones (tests/test_consensus.py)
@@ -63,6 +64,10 @@ class Sketcher:
         self.coordinate_signs = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), self.size)
 
     def __call__(self, delta: Mapping[str, np.ndarray]) -> np.ndarray:
+        if isinstance(delta, SparseDelta) and delta.names == tuple(self.names):  # the nonzeros alone
+            signed = delta.values * self.coordinate_signs[delta.positions]
+            buckets = delta.positions & (self.dim - 1) if self.dim & (self.dim - 1) == 0 else delta.positions % self.dim
+            return np.bincount(buckets, weights=signed, minlength=self.dim).astype(np.float32)
         folded = np.zeros(self.rows * self.dim, dtype=np.float32)
         start = 0
         for n in self.names:

@@ -17,10 +17,19 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from edgefl_protocol.sparse_delta import SparseDelta
+
 
 class StreamingMean:
     def __init__(self, specs: Mapping[str, tuple[int, ...]], normalize_steps: bool = False) -> None:
-        self.sums = {name: np.zeros(shape, dtype=np.float64) for name, shape in specs.items()}
+        # views of one float64 vector in the specs' order: a SparseDelta in that order adds by position
+        self.names = tuple(specs)
+        self.flat = np.zeros(sum(int(np.prod(shape)) for shape in specs.values()), dtype=np.float64)
+        self.sums, start = {}, 0
+        for name, shape in specs.items():
+            size = int(np.prod(shape))
+            self.sums[name] = self.flat[start:start + size].reshape(shape)
+            start += size
         self.normalize_steps = normalize_steps
         self.total_weight = 0.0
         self.weighted_steps = 0.0
@@ -32,8 +41,11 @@ class StreamingMean:
         if self.normalize_steps and steps < 1:
             raise ValueError(f"local steps must be >= 1 for step normalization, got {steps}")
         scale = weight / steps if self.normalize_steps else weight
-        for name, acc in self.sums.items():
-            acc += scale * tensors[name]
+        if isinstance(tensors, SparseDelta) and tensors.names == self.names:
+            self.flat[tensors.positions] += scale * tensors.values  # positions are distinct
+        else:
+            for name, acc in self.sums.items():
+                acc += scale * tensors[name]
         self.total_weight += weight
         self.weighted_steps += weight * steps
         self.count += 1
