@@ -293,7 +293,7 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
         shape_of = dict(shapes)
         decoded.sparse = SparseDelta(tuple(e.name for e in sparse), tuple(shape_of[e.name] for e in sparse),
                                      positions, values, flat)
-        decoded.update(decoded.sparse)
+        decoded.update(decoded.sparse.tensors())
     return decoded
 
 

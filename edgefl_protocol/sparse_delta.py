@@ -13,6 +13,7 @@ vector), so every other consumer reads it as it reads a plain decoded delta.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -25,7 +26,7 @@ class SparseDelta(Mapping[str, np.ndarray]):
     def __init__(self, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], positions: np.ndarray,
                  values: np.ndarray, flat: np.ndarray | None = None) -> None:
         self.names, self.shapes = names, shapes
-        self.size = sum(int(np.prod(shape)) for shape in shapes)
+        self.size = sum(math.prod(shape) for shape in shapes)
         self.positions, self.values = positions, values
         self._flat = flat  # the dense vector, built when a tensor is asked for
         self._tensors: dict[str, np.ndarray] | None = None
@@ -38,7 +39,7 @@ class SparseDelta(Mapping[str, np.ndarray]):
         """Its first `count` tensors (the model's, before an algorithm's extra tensors)."""
         if count == len(self.names):
             return self
-        size = sum(int(np.prod(shape)) for shape in self.shapes[:count])
+        size = sum(math.prod(shape) for shape in self.shapes[:count])
         cut = int(np.searchsorted(self.positions, size))
         return SparseDelta(self.names[:count], self.shapes[:count], self.positions[:cut], self.values[:cut],
                            None if self._flat is None else self._flat[:size])
@@ -53,11 +54,15 @@ class SparseDelta(Mapping[str, np.ndarray]):
             self._flat[self.positions] = self.values
         return self._flat
 
+    def tensors(self) -> dict[str, np.ndarray]:
+        """name -> tensor, views of the dense vector."""
+        return self._views()
+
     def _views(self) -> dict[str, np.ndarray]:
         if self._tensors is None:
             out, start, flat = {}, 0, self.flat
             for name, shape in zip(self.names, self.shapes):
-                size = int(np.prod(shape))
+                size = math.prod(shape)
                 out[name] = flat[start:start + size].reshape(shape)
                 start += size
             self._tensors = out
