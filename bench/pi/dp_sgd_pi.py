@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -67,7 +68,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return {"plain_seconds": round(plain, 2), "dp_sgd_seconds": round(private, 2), "ratio": round(private / plain, 2),
             "opacus_import_seconds": round(statistics.median(r["import_seconds"] for r in runs["dp_sgd"]), 1),
             "plain_guest_rss_mb": max(r["memory"]["guest_mb"] for r in runs["plain"]),
-            "dp_sgd_guest_rss_mb": max(r["memory"]["guest_mb"] for r in runs["dp_sgd"]), "runs": runs}
+            "dp_sgd_guest_rss_mb": max(r["memory"]["guest_mb"] for r in runs["dp_sgd"]),
+            "private_rounds_ran_dp_sgd": all(r.get("dp_sgd_ran") for r in runs["dp_sgd"])
+            and not any(r.get("dp_sgd_ran") for r in runs["plain"]), "runs": runs}
 
 
 def markdown(result: dict) -> str:
@@ -80,13 +83,14 @@ def markdown(result: dict) -> str:
              "Emulation is about 90x slower than a real Pi and does not slow every instruction alike: the seconds "
              "are not a Pi's. `make dp-sgd-cost` (bench/results/dp_sgd_cost.md) gives the ratio under a Pi 4's CPU "
              "quota on x86. Guest RSS: the emulated process's own mappings (bench/pi/memory.py).", "",
-             "| Pi | model | plain s | DP-SGD s | ratio | Opacus import s | guest RSS plain / DP-SGD MB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| Pi | model | plain s | DP-SGD s | ratio | Opacus import s | guest RSS plain / DP-SGD MB | "
+             "DP-SGD ran (and only there) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for pi, models in result["pis"].items():
         for model, r in models.items():
             lines.append(f"| {pi} | {model} | {r['plain_seconds']:.2f} | {r['dp_sgd_seconds']:.2f} | {r['ratio']:.2f}x | "
                          f"{r['opacus_import_seconds']:.1f} | {r['plain_guest_rss_mb']:.0f} / "
-                         f"{r['dp_sgd_guest_rss_mb']:.0f} |")
+                         f"{r['dp_sgd_guest_rss_mb']:.0f} | {r['private_rounds_ran_dp_sgd']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -96,6 +100,7 @@ def main() -> int:
     parser.add_argument("--pis", default="pi4,pi5")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` unmounts the root's /proc, /dev, /sys
     echo = lambda line: print(line, flush=True)  # noqa: E731
     root = args.cache / f"pi-{README_CANDIDATE}"
     try:

@@ -85,8 +85,10 @@ def local_round(model: nn.Module, x: np.ndarray, y: np.ndarray, private: bool) -
     if private:
         import opacus  # noqa: F401
     imported = time.perf_counter()
-    train_locally(model, Dataset(x, y), rule, settings, seed=0)
+    result = train_locally(model, Dataset(x, y), rule, settings, seed=0)
+    # the DP-SGD path reports its sampling rate: proof that the private round ran privately
     return {"seconds": time.perf_counter() - imported, "import_seconds": imported - started,
+            "dp_sgd_ran": "dp_sample_rate" in result.metrics,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__}
 
