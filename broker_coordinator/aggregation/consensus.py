@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefl_protocol.sparse_delta import SparseDelta
 from broker_coordinator.aggregation.trust import MIN_STANDING
+from edgefl_protocol.sparse_delta import SparseDelta
 
 SKETCH_DIM = 2048  # cosines of sketches within about 0.02 of the true ones (tests/test_consensus.py)
 MIN_JUDGED = 4  # fewer updates in a round: no majority to speak of, nothing is flagged

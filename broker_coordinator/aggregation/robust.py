@@ -58,7 +58,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from broker_coordinator.aggregation.consensus import Consensus
-from edgefl_protocol.sparse_delta import SparseDelta
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
 from broker_coordinator.settings.choices import (
@@ -66,6 +65,7 @@ from broker_coordinator.settings.choices import (
     DEFAULT_AGGREGATOR,
     STREAMING,
 )
+from edgefl_protocol.sparse_delta import SparseDelta
 
 GEOMED_ITERATIONS = 8  # Weiszfeld steps: RFA reports 3-4 enough; the held round is small
 OUTLIER_SHARE = 0.05  # centered_clip: the largest share of a round's weight the radius-clipped updates hold
