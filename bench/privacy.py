@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             delta=DELTA, sampling="poisson", clip="adaptive", clip_initial=args.clip_initial, local_epochs=1,
             transport={"1000of10000": "in-memory (bench/inmemory.py)",
                        "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),
-            synthetic_labels=args.synthetic_labels,
+            synthetic_labels=args.synthetic_labels, synthetic_lr=args.synthetic_lr,
+            synthetic_batch_size=args.synthetic_batch,
             **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
         "accountant_check": accountant_check(args.synthetic_rounds),
@@ -437,6 +438,8 @@ def report(result: dict) -> str:
              f"`{m['command']}` on commit {m['commit']}, {m['wall_seconds']} s; delta {m['delta']:g}, Poisson "
              "sampling, adaptive clipping; 1000of10000 through the in-memory engine (bench/inmemory.py), 10of20 "
              "through `broker-coordinator simulate` (bench/privacy_simulate.py). "
+             + (f"The synthetic devices train at lr {m['synthetic_lr']:g} in batches of {m['synthetic_batch_size']} "
+                f"(50: one local step of a capped device's 50 samples). " if "synthetic_batch_size" in m else "")
              + (f"Cut to fit the machine: {'; '.join(m['cuts'])}." if m["cuts"] else ""), "",
              "| cohort | epsilon | z | epsilon spent | final accuracy (per seed) | mean |",
              "| --- | --- | --- | --- | --- | --- |"]
