@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,26 @@ from broker_coordinator.simulation.fleet import PROFILES, CgroupUnavailable, Cgr
 
 RESULTS = ROOT / "bench" / "results"
 MODELS = {"mnist_cnn": "mnist5k", "digits_mlp": "digits"}
-SAMPLES, NOISE, CLIP = ROUND_SAMPLES, DP_NOISE, DP_CLIP
+# what decides a local round's cost here and in bench/pi/dp_sgd_pi.py (bench/pi/train_probe.py's local_round)
+DECIDING = {"algorithm": "fedavg", "epochs": 1, "batch_size": 32, "samples": ROUND_SAMPLES,
+            "noise_multiplier": DP_NOISE, "clip": DP_CLIP, "torch_threads": 1}
+
+
+def alternating(repeats: int, one: Callable[[bool], dict]) -> dict[str, list[dict]]:
+    """`repeats` plain and DP-SGD rounds, alternating so that drift lands on both."""
+    runs: dict[str, list[dict]] = {"plain": [], "dp_sgd": []}
+    for _ in range(repeats):
+        for kind in ("plain", "dp_sgd"):
+            runs[kind].append(one(kind == "dp_sgd"))
+    return runs
+
+
+def timings(runs: dict[str, list[dict]]) -> dict:
+    """Median training seconds of each kind, their ratio and the median Opacus import."""
+    plain = statistics.median(r["seconds"] for r in runs["plain"])
+    private = statistics.median(r["seconds"] for r in runs["dp_sgd"])
+    return {"plain_seconds": plain, "dp_sgd_seconds": private, "ratio": private / plain,
+            "opacus_import_seconds": statistics.median(r["import_seconds"] for r in runs["dp_sgd"])}
 
 
 def one_round(arch: str, private: bool) -> dict:
@@ -43,7 +63,7 @@ def one_round(arch: str, private: bool) -> dict:
     from models.architectures import build_model
 
     torch.set_num_threads(1)
-    data = datasets.load(MODELS[arch]).train.subset(np.arange(SAMPLES))
+    data = datasets.load(MODELS[arch]).train.subset(np.arange(ROUND_SAMPLES))
     return local_round(build_model(arch), data.x, data.y, private)
 
 
@@ -71,29 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     try:
         for arch in MODELS:
-            runs: dict[str, list[dict]] = {"plain": [], "dp_sgd": []}
-            for _ in range(args.repeats):  # alternating, so that drift lands on both
-                for kind in ("plain", "dp_sgd"):
-                    runs[kind].append(measure(arch, kind == "dp_sgd", limits))
-            plain = statistics.median(r["seconds"] for r in runs["plain"])
-            private = statistics.median(r["seconds"] for r in runs["dp_sgd"])
-            rows[arch] = {"plain_seconds": plain, "dp_sgd_seconds": private, "ratio": private / plain,
-                          "opacus_import_seconds": statistics.median(r["import_seconds"] for r in runs["dp_sgd"]),
-                          "plain_peak_rss_mb": max(r["peak_rss_mb"] for r in runs["plain"]),
+            runs = alternating(args.repeats, lambda private: measure(arch, private, limits))
+            rows[arch] = {**timings(runs), "plain_peak_rss_mb": max(r["peak_rss_mb"] for r in runs["plain"]),
                           "dp_sgd_peak_rss_mb": max(r["peak_rss_mb"] for r in runs["dp_sgd"]), "runs": runs}
+            plain, private = rows[arch]["plain_seconds"], rows[arch]["dp_sgd_seconds"]
             print(f"{arch}: {plain:.2f} s plain, {private:.2f} s with DP-SGD ({private / plain:.2f}x)", flush=True)
     finally:
         if cgroups is not None:
             cgroups.remove()
-    result = {"measured_with": provenance.measured_with(provenance.invoked(), {
-                  "algorithm": "fedavg", "epochs": 1, "batch_size": 32, "samples": SAMPLES,
-                  "noise_multiplier": NOISE, "clip": CLIP, "device_class": note, "torch_threads": 1}),
+    result = {"measured_with": provenance.measured_with(provenance.invoked(), {**DECIDING, "device_class": note}),
               "models": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "dp_sgd_cost.json").write_text(json.dumps(result, indent=1))
     lines = ["# DP-SGD on the device: the cost of a local round", "",
              f"`{result['measured_with'].get('command', 'python -m bench.dp_sgd_cost')}`; {note}; FedAvg, one epoch "
-             f"of {SAMPLES} samples, batch 32, z {NOISE}, C {CLIP}; medians of {args.repeats} alternating runs. "
+             f"of {ROUND_SAMPLES} samples, batch 32, z {DP_NOISE}, C {DP_CLIP}; medians of {args.repeats} alternating runs. "
              "Emulated by a CPU quota on x86, not measured on aarch64.", "",
              "Training seconds exclude importing Opacus, once per agent process (its own column).", "",
              "| model | plain s | DP-SGD s | ratio | Opacus import s | peak RSS plain / DP-SGD MB |",

@@ -277,7 +277,7 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
         raise Rejected("malformed", f"tensor body is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(entries, list) or len(entries) != len(shapes):
         raise Rejected("malformed", f"tensor body must be a list of {len(shapes)} entries")
-    out: dict[str, np.ndarray] = {}
+    out = Decoded()
     sparse: list[SparseEntry] = []  # decoded together: see sparse_decode.py
     with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes inf, which _finite rejects
         for (name, shape), entry in zip(shapes, entries):
@@ -288,13 +288,12 @@ def decode(codec: object, specs: object, body: object, expected: TensorSpecs | N
             else:
                 out[name] = _decode_tensor(name, shape, entry, spec)
         flat, positions, values = decode_sparse(sparse, spec.values, spec.bits, spec.chunk)
-    decoded = Decoded(out)
     if sparse:
         shape_of = dict(shapes)
-        decoded.sparse = SparseDelta(tuple(e.name for e in sparse), tuple(shape_of[e.name] for e in sparse),
-                                     positions, values, flat)
-        decoded.update(decoded.sparse.tensors())
-    return decoded
+        out.sparse = SparseDelta(tuple(e.name for e in sparse), tuple(shape_of[e.name] for e in sparse),
+                                 positions, values, flat)
+        out.update(out.sparse.tensors())
+    return out
 
 
 def _decode_tensor(name: str, shape: tuple[int, ...], entry: object, spec: CodecSpec) -> np.ndarray:

@@ -56,9 +56,6 @@ class SparseDelta(Mapping[str, np.ndarray]):
 
     def tensors(self) -> dict[str, np.ndarray]:
         """name -> tensor, views of the dense vector."""
-        return self._views()
-
-    def _views(self) -> dict[str, np.ndarray]:
         if self._tensors is None:
             out, start, flat = {}, 0, self.flat
             for name, shape in zip(self.names, self.shapes):
@@ -69,7 +66,7 @@ class SparseDelta(Mapping[str, np.ndarray]):
         return self._tensors
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._views()[name]
+        return self.tensors()[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

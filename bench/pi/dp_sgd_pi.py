@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from . import root as pi_root
 from .. import provenance
+from ..dp_sgd_cost import DECIDING, alternating, timings
 from .pi_check import GUEST_PYTHON, PIS, PROJECT, README_CANDIDATE, RESULTS, measured
 
 MODELS = ["mnist_cnn", "digits_mlp"]
@@ -63,11 +63,8 @@ def one_run(root: Path, cpu: str, model: str, private: bool, log: Path) -> dict:
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
-    plain = statistics.median(r["seconds"] for r in runs["plain"])
-    private = statistics.median(r["seconds"] for r in runs["dp_sgd"])
-    return {"plain_seconds": round(plain, 2), "dp_sgd_seconds": round(private, 2), "ratio": round(private / plain, 2),
-            "opacus_import_seconds": round(statistics.median(r["import_seconds"] for r in runs["dp_sgd"]), 1),
-            "plain_guest_rss_mb": max(r["memory"]["guest_mb"] for r in runs["plain"]),
+    row = {k: round(v, 2 if k != "opacus_import_seconds" else 1) for k, v in timings(runs).items()}
+    return {**row, "plain_guest_rss_mb": max(r["memory"]["guest_mb"] for r in runs["plain"]),
             "dp_sgd_guest_rss_mb": max(r["memory"]["guest_mb"] for r in runs["dp_sgd"]),
             "private_rounds_ran_dp_sgd": all(r.get("dp_sgd_ran") for r in runs["dp_sgd"])
             and not any(r.get("dp_sgd_ran") for r in runs["plain"]), "runs": runs}
@@ -131,9 +128,7 @@ def run(args: argparse.Namespace, root: Path, echo) -> dict:
         subprocess.run([sys.executable, str(PROJECT / "bench/pi/train_probe.py"), "make-inputs", model,
                         str(work / f"{model}.npz")], check=True, cwd=PROJECT)
     result: dict = {"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pis": {},
-                    "measured_with": provenance.measured_with(provenance.invoked(), {
-                        "algorithm": "fedavg", "epochs": 1, "batch_size": 32, "samples": 250, "noise_multiplier": 1.0,
-                        "clip": 1.0, "torch_threads": 1}, repeats=args.repeats, pis=pis,
+                    "measured_with": provenance.measured_with(provenance.invoked(), DECIDING, repeats=args.repeats, pis=pis,
                         emulation="qemu-user-static (Debian bookworm) via binfmt, chroot")}
     with pi_root.mounted(root):
         result["opacus"] = install_opacus(root, PIS[pis[0]], log, echo)
@@ -141,10 +136,7 @@ def run(args: argparse.Namespace, root: Path, echo) -> dict:
             cpu = PIS[pi]
             result["pis"][pi] = {}
             for model in MODELS:
-                runs: dict[str, list[dict]] = {"plain": [], "dp_sgd": []}
-                for _ in range(args.repeats):  # alternating, so that drift lands on both
-                    for kind in ("plain", "dp_sgd"):
-                        runs[kind].append(one_run(root, cpu, model, kind == "dp_sgd", log))
+                runs = alternating(args.repeats, lambda private: one_run(root, cpu, model, private, log))
                 row = result["pis"][pi][model] = summarize(runs)
                 result["torch"] = runs["plain"][0]["torch"]
                 echo(f"{pi} {model}: {row['plain_seconds']:.2f} s plain, {row['dp_sgd_seconds']:.2f} s with DP-SGD "
