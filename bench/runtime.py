@@ -106,6 +106,34 @@ class RssSampler:
         return self.peak
 
 
+def reference_decode_ms(repeats: int = 300) -> float:
+    """This machine's speed on a fixed piece of the coordinator's work: the median time to decode one
+    update of the MNIST CNN in the default codec (zlib, msgpack, dequantization, numpy), in this
+    process, no broker. updates/s moves with the machine (2x between two hosts of this project at
+    the same commit); this number says how fast the host was, so that runs on different hosts compare."""
+    weights = get_weights(build_model("mnist_cnn"))
+    rng = np.random.default_rng(0)
+    encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()},
+                           RoundSettings().codec)
+    expected = codec.specs_of(weights)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        codec.decode(encoded.codec, encoded.specs, encoded.body, expected, 10**7)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def bare_torch_rss() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "import torch, time; torch.set_num_threads(1); time.sleep(4)"])
     sampler = RssSampler([proc.pid])
@@ -255,7 +283,12 @@ def write_table(path: Path, result: dict) -> None:
                                              "weighting", "norm_bound", "mode", "topology")) + ".", "",
               "Load average (1 min) at start / end of each part: " + "; ".join(
                   f"{part} {v['start'][0]:.2f} / {v['end'][0]:.2f}" for part, v in result.get("load", {}).items() if v)
-              + " (2 cores, shared with other jobs).", ""]
+              + " (2 cores, shared with other jobs).", "",
+              "Machine: {cpu}, {cores} cores; one default-codec update of the CNN decodes in {ref} ms here "
+              "(`reference_decode_ms`: updates/s scales with it across hosts).".format(
+                  cpu=result["machine"].get("cpu", "unknown"), cores=result["machine"]["cores"],
+                  ref=(f"{result['machine']['reference_decode_ms']:.3f}"
+                       if "reference_decode_ms" in result["machine"] else "(not measured)")), ""]
     epochs = sorted({e for row in result["overhead"] for r in row["rounds"] for e in r.get("epochs_chosen", [])})
     lines += ["## Orchestration overhead (real agents, MNIST CNN, each agent chooses its local epochs: "
               f"{', '.join(map(str, epochs))})", "",
@@ -332,7 +365,8 @@ def main() -> None:
     result = {
         "command": "python bench/runtime.py" + (" --quick" if args.quick else "")
                    + (f" --only {args.only}" if args.only else ""),
-        "machine": {"cores": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30)},
+        "machine": {"cores": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30),
+                    "cpu": cpu_model(), "reference_decode_ms": reference_decode_ms()},
         "overhead_ratio": {str(r["agents"]): r["overhead_ratio"] for r in overhead},
         "updates_per_s": {str(r["size"]): r["updates_per_s_median"] for r in scale},
         "coordinator_rss_mb": {str(r["size"]): r["coordinator_peak_rss_mb"] for r in scale},
