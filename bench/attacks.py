@@ -73,6 +73,7 @@ BASELINE_RUNS = ("clean", "absent@0.1", "absent@0.2", "sign_flip@0.1", "reversed
                  "backdoor@0.2", "sites/clean", "sites/compromised_site@0.25")
 # the folds that hold the round (flat only), on the runs that moved centered_clip most before its consensus stage
 HELD_FOLDS = ("geomed", "trimmed_mean", "median")
+FULL_FOLDS = ("centered_clip", "centered_clip+votes")  # every run; the other folds only BASELINE_RUNS
 HELD_RUNS = ("clean", "absent@0.2", "sign_flip@0.2", "label_flip@0.2", "colluding@0.2", "inflated_count@0.2",
              "backdoor@0.1")
 ROUNDS = 10
@@ -253,7 +254,7 @@ def runs_of(partition: str, fold: str = "centered_clip") -> list[str]:
         out += ["sites/clean", "sites/compromised_site@0.25"]
     if fold in HELD_FOLDS:
         return [r for r in out if r in HELD_RUNS] if partition == HEADLINE else []
-    return out if fold == "centered_clip" else [r for r in out if r in BASELINE_RUNS]
+    return out if fold in FULL_FOLDS else [r for r in out if r in BASELINE_RUNS]
 
 
 def run_measured_with(result: dict) -> dict:
@@ -264,6 +265,7 @@ def run_measured_with(result: dict) -> dict:
     settings = RoundSettings(clients_per_round=10, round_timeout=ROUND_TIMEOUT, **FOLDS[result["fold"]])
     topology = "sites" if result["run"].startswith("sites/") else "flat"
     return {"commit": result["commit"], "command": result["command"], **provenance.deciding(settings, topology),
+            "sign_quorum": settings.sign_quorum,
             "partition": result["partition"], "run": result["run"], "fold": result["fold"], "seed": result["seed"],
             "rounds": result["rounds"], "arch": ARCH.get(result["partition"], "partition's own"),
             "clients_per_round": 10, "round_timeout": ROUND_TIMEOUT, "transport": "in-memory (bench/inmemory.py)",

@@ -12,7 +12,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "attacks_runs"
 FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "geomed": {"aggregator": "geomed"}, "trimmed_mean": {"aggregator": "trimmed_mean"},
-                         "median": {"aggregator": "median"}}  # name -> RoundSettings overrides
+                         "median": {"aggregator": "median"},
+                         # the default fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
+                         # where 40% of the round's updates agree on its sign
+                         "centered_clip+votes": {"sign_quorum": 0.4}}  # name -> RoundSettings overrides
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
@@ -100,6 +103,7 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
     out = {"measured_with": provenance.measured_with(
         provenance.invoked(), settings, describes="defaults",
         varies={"aggregator": [provenance.deciding(RoundSettings(**FOLDS[f]))["aggregator"] for f in folds],
+                "sign_quorum": [RoundSettings(**FOLDS[f]).sign_quorum for f in folds],
                 "topology": ["flat", "sites"]},
         run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),
         rounds=sorted({j[4] for j in jobs}), clients_per_round=10, round_timeout=ROUND_TIMEOUT,

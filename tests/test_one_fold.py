@@ -57,8 +57,18 @@ def _with_centre(coordinator: Coordinator, center: dict) -> Coordinator:
 @pytest.mark.parametrize("algorithm,hparams", ALGORITHMS, ids=lambda v: v if isinstance(v, str) else
                          ",".join(f"{k}={x}" for k, x in v.items()) or "defaults")
 def test_the_same_updates_give_the_same_model_flat_in_sites_and_buffered(digits, algorithm, hparams):
+    _same_everywhere(digits, algorithm, hparams)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "dynsam"])
+def test_sign_votes_hold_the_same_coordinates_flat_in_sites_and_buffered(digits, algorithm):
+    """The sign-vote stage (aggregation/votes.py): a site's votes merge into the centre's."""
+    _same_everywhere(digits, algorithm, {}, sign_quorum=0.4)
+
+
+def _same_everywhere(digits, algorithm: str, hparams: dict, sign_quorum: float = 0.0) -> None:
     settings = RoundSettings(algorithm=algorithm, hparams=hparams, codec="float32", weighting="uniform",
-                             norm_bound=0, round_timeout=60)
+                             norm_bound=0, round_timeout=60, sign_quorum=sign_quorum)
     assert settings.aggregator == "centered_clip"  # the default fold
     devices = [f"{site}-{i}" for site, n in SITES.items() for i in range(n)]
     keys = {d: signing.new_key() for d in devices}
@@ -72,6 +82,8 @@ def test_the_same_updates_give_the_same_model_flat_in_sites_and_buffered(digits,
     metrics = {d: {"steps": int(rng.integers(1, 9)), "sigma": float(rng.uniform()), "gamma": 0.5} for d in devices}
 
     flat_record = fold_round(flat, {d: _signed(d, keys[d], tensors[d], 1, metrics[d]) for d in devices})
+    if sign_quorum:
+        assert 0.1 < flat_record.unvoted < 0.9, "the votes held no coordinate (or all): the comparison would be empty"
     assert flat_record.clipped.get("center", 0) >= 2, "no update was far enough to be clipped"
     assert any(not np.allclose(flat.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
                for n in flat.weights), "the round changed nothing: the comparison would be empty"
@@ -99,7 +111,8 @@ def _in_sites(digits, settings, keys, site_keys, center, tensors, metrics) -> Tr
         task = messages.Task(1, 0, time.time() + 60, settings.algorithm, settings.task_hparams(1), {}, "float32",
                              attempt)
         site_task = SiteTask(1, attempt, 0, messages.encode("task", task),
-                             {"weighting": "uniform", "norm_bound": 0.0, "aggregator": settings.aggregator},
+                             {"weighting": "uniform", "norm_bound": 0.0, "aggregator": settings.aggregator,
+                              "sign_quorum": settings.sign_quorum},
                              *encode_center(center))
         mine = [d for d in tensors if d.startswith(site)]
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)

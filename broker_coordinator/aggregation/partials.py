@@ -33,6 +33,7 @@ import numpy as np
 
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import GROWTH, MIN_STANDING
+from broker_coordinator.aggregation.votes import SignVotes, decode_net
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.messages import (  # the same header checks as every message
@@ -44,6 +45,7 @@ log = logging.getLogger("broker_coordinator")
 EXTRA = "extra."  # tensors the algorithm sends beside the delta (edgefl_protocol.algorithms.base.EXTRA_PREFIX)
 MAX_SUMMARY_KEYS = 64
 MAX_OBSERVED = 100_000
+VOTES = "votes."  # a decoded partial's net sign votes, beside its sums (never a tensor name: names have no trailing dot)
 
 
 def site_topic(fed: str, site: str, kind: str) -> str:
@@ -100,6 +102,9 @@ class Partial:
     # how many of the `count` deltas were under it, exact (the centre releases it with noise)
     clip: float = 0.0
     unclipped: int = 0
+    # sign_quorum (votes.py): the net sign votes of the worker's `voters` deltas, per parameter; empty: off
+    votes: bytes = b""
+    voters: int = 0
 
 
 def encode_site_task(task: SiteTask) -> bytes:
@@ -172,7 +177,9 @@ def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str
         bytes_up=_field(obj, "bytes_up", int), summary=_summary(obj), observed=_observed(obj),
         selected=_field(obj, "selected", int), evaluation=_evaluation(obj),
         clip=float(_field(obj, "clip", (int, float))) if "clip" in obj else 0.0,
-        unclipped=_field(obj, "unclipped", int) if "unclipped" in obj else 0)
+        unclipped=_field(obj, "unclipped", int) if "unclipped" in obj else 0,
+        votes=_field(obj, "votes", bytes) if "votes" in obj else b"",
+        voters=_field(obj, "voters", int) if "voters" in obj else 0)
     if p.site != site:
         raise Rejected("sender", f"topic says site {site} but the partial claims {p.site}")
     if min(p.worker, p.count, p.extras_count, p.refused, p.bytes_up, p.selected) < 0 or p.extras_count > p.count:
@@ -182,10 +189,17 @@ def decode_partial(data: bytes, key: bytes | None, site: str, specs: Mapping[str
     if not (math.isfinite(p.clip) and p.clip >= 0 and 0 <= p.unclipped <= p.count):
         raise Rejected("schema", f"partial: clip {p.clip} must be finite and >= 0, and its unclipped count "
                                  f"{p.unclipped} between 0 and its count {p.count}")
+    if not 0 <= p.voters <= p.count:
+        raise Rejected("schema", f"partial: {p.voters} voters for {p.count} deltas")
     if (p.count == 0) != (p.total_weight == 0) or p.total_weight < 0 or p.weighted_steps < 0:
         raise Rejected("schema", f"partial: {p.count} deltas with total weight {p.total_weight}")
     expected = dict(specs) | (dict(extra_specs) if p.extras_count else {})
     sums = codec.decode("float32", p.specs, p.body, expected, sum(math.prod(s) for s in expected.values()))
+    if p.votes:
+        try:
+            sums[VOTES] = decode_net(p.votes, sum(math.prod(s) for s in specs.values()))
+        except ValueError as exc:
+            raise Rejected("schema", f"partial: {exc}") from None
     return p, sums
 
 
@@ -277,8 +291,11 @@ class TreeSum:
                  extra_specs: Mapping[str, tuple[int, ...]] | None = None, *, round_no: int = 0,
                  allowed: Mapping[str, int] | None = None, center: Mapping[str, np.ndarray] | None = None,
                  weighting: str = "uniform", weight_cap: float = 2.0, norm_bound: float = 0.0,
-                 outlier_share: float | None = None, standing: dict[str, float] | None = None) -> None:
+                 outlier_share: float | None = None, standing: dict[str, float] | None = None,
+                 sign_quorum: float = 0.0) -> None:
         self.stream = StreamingMean(specs, normalize_steps)
+        self.votes = SignVotes(specs, sign_quorum) if sign_quorum > 0 else None
+        self.unvoted: float | None = None
         self.specs = dict(specs)
         self.extras = StreamingMean(extra_specs) if extra_specs else None
         self.round_no, self.allowed = round_no, dict(allowed) if allowed is not None else None
@@ -314,6 +331,12 @@ class TreeSum:
             self.counted[site] += count
             self.partials.append((site, count, partial.total_weight, partial.weighted_steps,
                               {n: np.asarray(sums[n], dtype=np.float64) for n in self.stream.sums}))
+            if self.votes is not None:
+                # a site casts at most one vote per device it may count (a forged partial included); a site
+                # that sent none (the stage off there) adds its devices to the quorum without voting
+                net = sums.get(VOTES)
+                limit = min(count, partial.voters) if net is not None else 0
+                self.votes.merge(np.clip(net, -limit, limit) if net is not None else 0, count)
         if self.extras is not None and partial.extras_count:
             extras = min(partial.extras_count, max(count, 1))
             scale = extras / partial.extras_count
@@ -335,6 +358,8 @@ class TreeSum:
         if self._mean is None:
             self._fold()
             self._mean = self.stream.mean()
+            if self.votes is not None:
+                self._mean, self.unvoted = self.votes.mask(self._mean)
         return self._mean
 
     def _fold(self) -> None:

@@ -60,6 +60,7 @@ import numpy as np
 from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
+from broker_coordinator.aggregation.votes import SignVotes
 from broker_coordinator.settings.choices import (
     AGGREGATORS,
     DEFAULT_AGGREGATOR,
@@ -99,7 +100,7 @@ class RobustRound:
                  trim: float = 0.2, normalize_steps: bool = False,
                  reference: Callable[[list[str]], np.ndarray] | None = None,
                  center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None,
-                 consensus: Consensus | None = None) -> None:
+                 consensus: Consensus | None = None, sign_quorum: float = 0.0) -> None:
         """`reference(names)`, if given, is gated_mean's direction (flattened in the order of `names`)
         instead of the round's coordinate-wise median (see `reference.py`). `center`, `radius` and
         `consensus` are centered_clip's centre (None: none yet), the adaptive radius' history and the
@@ -129,6 +130,8 @@ class RobustRound:
         self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
         self.discounted: dict[str, float] = {}  # centered_clip: device -> the share of its weight its standing kept
         self.count = 0
+        self.votes = SignVotes(specs, sign_quorum) if sign_quorum > 0 and self.streaming else None
+        self.unvoted: float | None = None  # the fraction of coordinates the votes held still, once closed
 
     @property
     def streaming(self) -> bool:
@@ -156,6 +159,8 @@ class RobustRound:
         self._fold(device, clipped, weight, steps)
 
     def _fold(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int) -> None:
+        if self.votes is not None:
+            self.votes.add(delta)
         agreement = 1.0
         if self.consensus is not None:
             self.sketches[device] = self.consensus.sketch(self.specs, delta)
@@ -225,7 +230,10 @@ class RobustRound:
         if self.count == 0:
             raise ValueError("no updates were folded in")
         if self.streaming:
-            return self.streamed().mean()
+            aggregate = self.streamed().mean()
+            if self.votes is not None:
+                aggregate, self.unvoted = self.votes.mask(aggregate)
+            return aggregate
         clipped = self._clip_held()
         if self.aggregator == "gated_mean":
             for h, delta in self._gate(clipped):

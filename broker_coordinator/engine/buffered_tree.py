@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.aggregation.partials import (
+    VOTES,
     Partial,
     SiteTask,
     decode_partial,
@@ -65,7 +66,9 @@ class DampedTreeSum:
         self.stale = 0.0  # sum W_j s_j
 
     def add_damped(self, partial: Partial, sums: Mapping[str, np.ndarray], factor: float, staleness: int) -> None:
-        self.tree_sum.add(partial, {name: np.asarray(a, dtype=np.float64) * factor for name, a in sums.items()})
+        # the sums damped by staleness; a vote is a count, and stays one
+        self.tree_sum.add(partial, {name: a if name == VOTES else np.asarray(a, dtype=np.float64) * factor
+                                    for name, a in sums.items()})
         self.weight += partial.total_weight * factor
         self.undamped += partial.total_weight
         self.stale += partial.total_weight * staleness

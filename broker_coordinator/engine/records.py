@@ -93,7 +93,8 @@ class RoundRecords:
                            dict(rnd.rejected), closed, base_sha, model_sha, rnd.device_metrics, clipped,
                            dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
                            "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics), left_out=left_out,
-                           privacy=self.privacy.summary() if self.privacy else {})
+                           privacy=self.privacy.summary() if self.privacy else {},
+                           unvoted=getattr(rnd.aggregate, "unvoted", None))
 
     def _left_out(self, rnd: Round, closed: str) -> float:
         """The fraction of the round's accepted updates the fold left out (an abandoned attempt folded

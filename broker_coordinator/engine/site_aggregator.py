@@ -64,6 +64,7 @@ from broker_coordinator.aggregation.partials import (
 from broker_coordinator.aggregation.privacy import PrivateRound
 from broker_coordinator.aggregation.private_partials import partial_fields, site_privacy
 from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.aggregation.votes import vote_fields
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 from broker_coordinator.engine.intake import UpdateIntake
@@ -82,7 +83,8 @@ from models.architectures import build_model, get_weights
 from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
-TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator")
+TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",
+               "sign_quorum")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -338,7 +340,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                     privacy.fold(self.specs) if privacy else
                     RobustRound(self.specs, self.norm_bound, self.settings.aggregator,
                                 normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius,
-                                consensus=self.consensus),
+                                consensus=self.consensus, sign_quorum=self.settings.sign_quorum),
                     train=task.train)
         rnd.move(RoundState.COLLECTING)
         return rnd
@@ -375,7 +377,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                             self.extras, rejected=dict(rnd.rejected), refused=len(rnd.refused), clipped=clipped,
                             bytes_up=rnd.bytes_up, summary=summarize(rnd.device_metrics), observed=observed,
                             selected=len(rnd.cohort) if self.leader else 0,
-                            evaluation=pooled_evaluation(rnd.evaluations),
+                            evaluation=pooled_evaluation(rnd.evaluations), **vote_fields(rnd.aggregate),
                             **(partial_fields(rnd.aggregate) if isinstance(rnd.aggregate, PrivateRound) else {}))
 
     def _send_partial(self, rnd: Round, why: str) -> None:

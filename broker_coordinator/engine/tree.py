@@ -42,6 +42,7 @@ from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, Roun
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.site_aggregator import site_rules
 from broker_coordinator.settings import composition
+from broker_coordinator.settings.choices import STREAMING
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
 from models.objectives import Evaluation
@@ -111,7 +112,8 @@ class TreeCoordinator(Coordinator):
                        center=self.center if s.aggregator == "centered_clip" else None, weighting=s.weighting,
                        weight_cap=s.weight_cap, norm_bound=s.norm_bound,
                        outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None,
-                       standing=self.site_standing)
+                       standing=self.site_standing,
+                       sign_quorum=s.sign_quorum if s.aggregator in STREAMING else 0.0)
 
     def _on_connect(self, client) -> None:
         self.inbox.put(("", b"reset-presence", time.time(), False))

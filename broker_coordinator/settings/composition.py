@@ -91,6 +91,15 @@ RULES: tuple[Rule, ...] = (
          lambda s, t: s.privacy.device_dp and _sam_family(s),
          'algorithm = "fedavg", "fedprox" or "feddyn"',
          lambda s: f'algorithm = "{s.algorithm}" takes a SAM ascent step on the data every step'),
+    Rule('sign_quorum + aggregator gated_mean | trimmed_mean | median | geomed', "not built",
+         "the sign votes are a stage of the streaming folds (aggregation/votes.py); the folds that hold the "
+         "round judge each coordinate their own way (trimmed_mean and median per coordinate already)",
+         lambda s, t: s.sign_quorum > 0 and s.aggregator not in STREAMING,
+         f"sign_quorum = 0, or aggregator = one of {', '.join(STREAMING)}"),
+    Rule('privacy central + sign_quorum', "mathematical",
+         "whether a coordinate moves depends on the other devices' votes of the same round, so one device can "
+         "switch a coordinate of the whole aggregate on or off: beyond the clip C the noise covers",
+         lambda s, t: _private(s) and s.sign_quorum > 0, "sign_quorum = 0"),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

@@ -57,6 +57,9 @@ class RoundSettings:
     # centered_clip | mean (both streaming, O(model)) | gated_mean | trimmed_mean | median | geomed (see broker_coordinator/aggregation/robust.py)
     aggregator: str = DEFAULT_AGGREGATOR
     trim: float = 0.2  # trimmed_mean: fraction dropped at each end, per coordinate
+    # streaming folds: a coordinate moves only where at least this fraction of the round's updates agree on
+    # its sign (net votes); 0 = off (robust learning rate, Ozdayi et al., AAAI 2021; see aggregation/votes.py)
+    sign_quorum: float = 0.0
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     # where the global model is evaluated: "central" (the coordinator's test set), "devices" (each selected
@@ -110,6 +113,7 @@ class RoundSettings:
                                                            "norm of recent updates)"),
             (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
             (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
+            (0 <= self.sign_quorum < 1, "sign_quorum must be in [0, 1) (0 = off)"),
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
@@ -195,6 +199,7 @@ class RoundRecord:
     # [privacy] mode = "central": {"epsilon" spent at "delta" after this round, "noise_multiplier", "clip",
     # "noise_std" of the mean, "unclipped_fraction" (noisy), ...} (engine/private_rounds.py); {} when off
     privacy: dict[str, Any] = field(default_factory=dict)
+    unvoted: float | None = None  # sign_quorum: the fraction of parameters the round's votes held still; None: off
 
 
 def check_buffered(settings: RoundSettings) -> None:
