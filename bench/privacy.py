@@ -96,13 +96,14 @@ SYNTHETIC_BATCH = 50
 
 
 def settings_for(algorithm: str, epsilon: str, cohort: int, population: int, rounds: int,
-                 clip_initial: float, lr: float, batch_size: int = 32) -> RoundSettings:
+                 clip_initial: float, lr: float, batch_size: int = 32, serve_average: float = 0.0) -> RoundSettings:
     privacy = PrivacySettings() if epsilon == "none" else PrivacySettings(
         mode="central", target_epsilon=float(epsilon), delta=DELTA, planned_rounds=rounds, population=population,
         clip="adaptive", clip_initial=clip_initial)
     return RoundSettings(algorithm=algorithm, clients_per_round=cohort, local_epochs=1, lr=lr, batch_size=batch_size,
                          aggregator="mean",
-                         weighting="uniform", norm_bound=0, round_timeout=60, privacy=privacy)
+                         weighting="uniform", norm_bound=0, round_timeout=60, privacy=privacy,
+                         serve_average=serve_average)
 
 
 def run(name: str, arch: str, clients: list, test, settings: RoundSettings, rounds: int, seed: int) -> dict:
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the synthetic devices' learning rate (see SYNTHETIC_LR for why 0.5)")
     ap.add_argument("--synthetic-batch", type=int, default=SYNTHETIC_BATCH,
                     help="the synthetic devices' batch size (50: one local step of a capped device's 50 samples)")
+    ap.add_argument("--serve-average", type=float, default=0.0,
+                    help="1000of10000: [rounds] serve_average, the decay of the evaluated moving average of the "
+                         "global models (0: the last model); it averages out a period-2 oscillation")
     ap.add_argument("--only", choices=("1000of10000", "10of20"), default=None)
     ap.add_argument("--synthetic-labels", choices=("shared", "per-device"), default="shared",
                     help="one labelling model for every synthetic device (learnable), or FedProx's own per device")
@@ -268,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="no run: MAIN's result with OTHER's rows of the cohorts MAIN lacks (each run's "
                          "measured_with kept) into --out")
     ap.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild --out's rows of the cohorts the flags name, and its table, from the cached runs "
+                         "(nothing is run or timed; every other field kept)")
     ap.add_argument("--round-time-only", action="store_true",
                     help="no accuracy runs: measure only round_seconds (coordinator time per round at 1,000 "
                          "participants, off and central interleaved on the same updates) and write it into the "
@@ -280,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     inmemory.set_threads(1)
     if args.round_time_only:
         return round_time_only(args)
+    if args.report_only:
+        return report_only(args)
     started = time.time()
     runs: dict[str, dict] = {}
     cuts = []
@@ -291,13 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = {k: v for k, v in merged["runs"].items() if k != args.only}
     if args.only != "10of20":
         clients, test = synthetic(args.cap, args.test, args.synthetic_labels == "shared")
-        sizing = (f"r{args.synthetic_rounds}-cap{args.cap}-test{args.test}-{args.synthetic_labels}"
-                  f"-clip{args.clip_initial:g}" + ("" if args.synthetic_lr == 0.05 else f"-lr{args.synthetic_lr:g}")
-                  + ("" if args.synthetic_batch == 32 else f"-batch{args.synthetic_batch}"))
-        done = cached_runs(RUNS / f"1000of10000-{sizing}", args.synthetic_seeds, lambda eps, seed: run(
+        done = cached_runs(RUNS / f"1000of10000-{synthetic_sizing(args)}", args.synthetic_seeds, lambda eps, seed: run(
             f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
             settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
-                         args.synthetic_batch),
+                         args.synthetic_batch, args.serve_average),
             args.synthetic_rounds, seed))
         if done is None:
             return 0  # another process runs the rest and writes the result
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             transport={"1000of10000": "in-memory (bench/inmemory.py)",
                        "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),
             synthetic_labels=args.synthetic_labels, synthetic_lr=args.synthetic_lr,
-            synthetic_batch_size=args.synthetic_batch,
+            synthetic_batch_size=args.synthetic_batch, serve_average=args.serve_average,
             **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
         "accountant_check": accountant_check(args.synthetic_rounds),
@@ -355,6 +361,32 @@ def round_time_only(args: argparse.Namespace) -> int:
     args.out.with_suffix(".md").write_text(report(result))
     print(f"wrote round_seconds into {args.out} and {args.out.with_suffix('.md')}")
     return 0
+
+
+def report_only(args: argparse.Namespace) -> int:
+    """`--report-only`: the cohorts' rows of --out summarized again from their cached runs."""
+    result = json.loads(args.out.read_text())
+    folders = {"1000of10000": RUNS / f"1000of10000-{synthetic_sizing(args)}",
+               "10of20": RUNS / f"10of20-simulate-r{args.rounds}-clip{args.clip_initial:g}"}
+    seeds = {"1000of10000": args.synthetic_seeds, "10of20": args.seeds}
+    for cohort in [args.only] if args.only else list(folders):
+        files = {eps: [folders[cohort] / f"eps{eps}-seed{seed}.json" for seed in range(seeds[cohort])]
+                 for eps in EPSILONS}
+        if missing := [str(f) for fs in files.values() for f in fs if not f.exists()]:
+            raise SystemExit(f"--report-only: no cached run {missing[0]} (and {len(missing) - 1} more)")
+        result["runs"][cohort] = {eps: summarize([json.loads(f.read_text()) for f in fs]) for eps, fs in files.items()}
+    args.out.write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text(report(result))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')} from the cached runs")
+    return 0
+
+
+def synthetic_sizing(args: argparse.Namespace) -> str:
+    """The 1000of10000 cache folder's name: every flag that changes a run."""
+    return (f"r{args.synthetic_rounds}-cap{args.cap}-test{args.test}-{args.synthetic_labels}"
+            f"-clip{args.clip_initial:g}" + ("" if args.synthetic_lr == 0.05 else f"-lr{args.synthetic_lr:g}")
+            + ("" if args.synthetic_batch == 32 else f"-batch{args.synthetic_batch}")
+            + (f"-ema{args.serve_average:g}" if args.serve_average else ""))
 
 
 def data_cuts(args: argparse.Namespace) -> dict:
@@ -427,6 +459,8 @@ def partial(out: Path, runs: dict) -> None:
 def summarize(per_seed: list[dict]) -> dict:
     seconds = [t["seconds"] for r in per_seed for t in r["trace"]]
     return {"final_accuracy": [r["final_accuracy"] for r in per_seed],
+            # a period-2 oscillation puts round 40 on a high or a low phase: the mean of the last two says which
+            "last_two_mean": [statistics.mean(t["accuracy"] for t in r["trace"][-2:]) for r in per_seed],
             "epsilon_spent": per_seed[0]["epsilon_spent"], "noise_multiplier": per_seed[0]["noise_multiplier"],
             "round_seconds": statistics.median(seconds) if seconds else None,
             "trace": per_seed[0]["trace"]}
@@ -441,15 +475,16 @@ def report(result: dict) -> str:
              + (f"The synthetic devices train at lr {m['synthetic_lr']:g} in batches of {m['synthetic_batch_size']} "
                 f"(50: one local step of a capped device's 50 samples). " if "synthetic_batch_size" in m else "")
              + (f"Cut to fit the machine: {'; '.join(m['cuts'])}." if m["cuts"] else ""), "",
-             "| cohort | epsilon | z | epsilon spent | final accuracy (per seed) | mean |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| cohort | epsilon | z | epsilon spent | final accuracy (per seed) | mean | mean of the last two rounds |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for cohort, rows in result["runs"].items():
         for eps, row in rows.items():
             acc = row["final_accuracy"]
             z = f"{row['noise_multiplier']:.3f}" if row["noise_multiplier"] else "-"
             spent = f"{row['epsilon_spent']:.3f}" if row["epsilon_spent"] is not None else "-"
             lines.append(f"| {cohort} | {eps} | {z} | {spent} | {', '.join(f'{100 * a:.2f}' for a in acc)} | "
-                         f"{100 * statistics.mean(acc):.2f} |")
+                         f"{100 * statistics.mean(acc):.2f} | "
+                         + (f"{100 * statistics.mean(row['last_two_mean']):.2f} |" if "last_two_mean" in row else "- |"))
     check = result["accountant_check"]
     lines += ["", (f"Accountant check (q {check['q']}, z {check['z']}, {check['rounds']} rounds): ours "
                    f"({check['ours_accountant']}) {check['ours']:.4f}, second ({check['second_accountant']}) "

@@ -82,6 +82,10 @@ class RoundRecords:
         if rnd.aggregate.gated:
             clipped["direction"] = len(rnd.aggregate.gated)
         left_out = self._left_out(rnd, closed)
+        unvoted = getattr(rnd.aggregate, "unvoted", None)
+        if unvoted is not None:
+            self.metrics.unvoted.set(unvoted)
+            log.info("round %d: the sign votes held %.1f%% of the parameters still", rnd.number, 100 * unvoted)
         score = central.score if central else float("nan")
         accuracy = score if self.objective.task == "classification" else float("nan")
         # the devices' score describes one model: the newest version the round's reports measured
@@ -94,7 +98,7 @@ class RoundRecords:
                            dict(rnd.refused), rnd.reason, self.objective.metric, score, federated,
                            "train" if rnd.train else "evaluate", _bytes_down(rnd.device_metrics), left_out=left_out,
                            privacy=self.privacy.summary() if self.privacy else {},
-                           unvoted=getattr(rnd.aggregate, "unvoted", None))
+                           unvoted=unvoted)
 
     def _left_out(self, rnd: Round, closed: str) -> float:
         """The fraction of the round's accepted updates the fold left out (an abandoned attempt folded

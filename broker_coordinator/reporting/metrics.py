@@ -33,6 +33,8 @@ class Metrics:
         self.round = Gauge("edgefl_round", "Last finished round", registry=r)
         self.left_out = Gauge("edgefl_round_left_out_fraction", "Fraction of the last round's accepted updates "
                               "that the fold left out (direction gate, or the attempt was abandoned)", registry=r)
+        self.unvoted = Gauge("edgefl_round_unvoted_fraction", "Fraction of the model's parameters the last round's "
+                             "sign votes held still ([rounds] sign_quorum > 0)", registry=r)
         self.privacy_epsilon = Gauge("edgefl_privacy_epsilon", "Epsilon spent so far at the configured delta "
                                      "([privacy] mode = central; user-level, over the applied versions)", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)

@@ -40,6 +40,8 @@
     weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
     norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
     aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median | geomed
+    sign_quorum = 0.0                    # > 0: a parameter moves only where this share of a round's updates agree
+                                         # on its sign (against backdoors; costs accuracy on small models: RESEARCH.md)
     serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)
 
     [privacy]                            # user-level differential privacy (settings/privacy_settings.py)
