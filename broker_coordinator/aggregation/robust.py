@@ -45,6 +45,10 @@ The last three hold the round's deltas (memory O(cohort x model)) and ignore
 sample weights and step normalization: that is their price, and why they
 cannot run at a site (a partial carries sums, not the deltas a median needs).
 
+Either streaming fold may add sign votes (`sign_quorum` > 0, `votes.py`): each bounded delta
+votes the sign of every parameter it moves, and the round's aggregate keeps only the parameters
+that enough of its updates agree on (off by default: docs/RESEARCH.md has what it stops and costs).
+
 A cold start (fewer than `warmup` norms known) holds at most `warmup`
 updates, clips them against the median of their own norms, and streams from
 then on: the streaming folds stay O(model) from the first round.
