@@ -459,6 +459,7 @@ def partial(out: Path, runs: dict) -> None:
 def summarize(per_seed: list[dict]) -> dict:
     seconds = [t["seconds"] for r in per_seed for t in r["trace"]]
     return {"final_accuracy": [r["final_accuracy"] for r in per_seed],
+            "final_accuracy_mean": statistics.mean(r["final_accuracy"] for r in per_seed),
             # a period-2 oscillation puts round 40 on a high or a low phase: the mean of the last two says which
             "last_two_mean": [statistics.mean(t["accuracy"] for t in r["trace"][-2:]) for r in per_seed],
             "epsilon_spent": per_seed[0]["epsilon_spent"], "noise_multiplier": per_seed[0]["noise_multiplier"],

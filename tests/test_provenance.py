@@ -114,10 +114,10 @@ CLAIMS = [
      "runs/1000of10000/none/last_two_mean/0", 100, 1),
     *[("README.md", r"last two rounds is [\d.]+% without privacy and " + r"[\d.]+ / " * i + r"([\d.]+)",
        "privacy.json", f"runs/1000of10000/{eps}/last_two_mean/0", 100, 1) for i, eps in enumerate(("8", "3", "1"))],
-    ("README.md", r"final rounds are ([\d.]+)%\s+without privacy", "privacy.json",
-     "runs/1000of10000, serve_average 0.5/none/final_accuracy/0", 100, 2),
-    *[("README.md", r"final rounds are [\d.]+%\s+without privacy and " + r"[\d.]+ / " * i + r"([\d.]+)",
-       "privacy.json", f"runs/1000of10000, serve_average 0.5/{eps}/final_accuracy/0", 100, 2)
+    ("README.md", r"final rounds average\s+([\d.]+)% without privacy", "privacy.json",
+     "runs/1000of10000, serve_average 0.5/none/final_accuracy_mean", 100, 2),
+    *[("README.md", r"final rounds average\s+[\d.]+% without privacy and " + r"[\d.]+ / " * i + r"([\d.]+)",
+       "privacy.json", f"runs/1000of10000, serve_average 0.5/{eps}/final_accuracy_mean", 100, 2)
       for i, eps in enumerate(("8", "3", "1"))],
     ("README.md", r"The ([\d.]+)% the same MLP", "privacy.json", "central_reference/accuracy", 100, 2),
     ("docs/PRIVACY.md", r"scores ([\d.]+)% after one epoch", "privacy.json", "central_reference/accuracy", 100, 2),
