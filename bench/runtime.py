@@ -106,16 +106,22 @@ class RssSampler:
         return self.peak
 
 
-def reference_decode_ms(repeats: int = 300) -> float:
-    """This machine's speed on a fixed piece of the coordinator's work: the median time to decode one
-    update of the MNIST CNN in the default codec (zlib, msgpack, dequantization, numpy), in this
-    process, no broker. updates/s moves with the machine (2x between two hosts of this project at
-    the same commit); this number says how fast the host was, so that runs on different hosts compare."""
+def swarm_update() -> tuple[codec.Encoded, dict[str, tuple[int, ...]]]:
+    """The one update every swarm device sends: a small random delta of the MNIST CNN in the codec
+    the coordinator's tasks name; and the CNN's tensor shapes."""
     weights = get_weights(build_model("mnist_cnn"))
     rng = np.random.default_rng(0)
     encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()},
                            RoundSettings().codec)
-    expected = codec.specs_of(weights)
+    return encoded, codec.specs_of(weights)
+
+
+def reference_decode_ms(repeats: int = 300) -> float:
+    """This machine's speed on a fixed piece of the coordinator's work: the median time to decode the
+    swarm's update (zlib, msgpack, dequantization, numpy), in this process, no broker. updates/s
+    moves with the machine (2x between two hosts of this project at the same commit); this number
+    says how fast the host was, so that runs on different hosts compare."""
+    encoded, expected = swarm_update()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -200,10 +206,7 @@ def scale_run(size: int, rounds: int, workdir: Path) -> dict:
     broker = PrivateBroker(workdir / "broker", FED)
     password = broker.add_user(COORDINATOR_USER)
     devices = [(f"sim-{i:04d}", broker.add_user(f"sim-{i:04d}")) for i in range(size)]
-    weights = get_weights(build_model("mnist_cnn"))
-    rng = np.random.default_rng(0)
-    encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()},
-                           RoundSettings().codec)  # the codec the coordinator's tasks name
+    encoded, _ = swarm_update()
     (workdir / "body.bin").write_bytes(msgpack.packb(
         {"codec": encoded.codec, "specs": encoded.specs, "body": encoded.body}, use_bin_type=True))
     swarms = []

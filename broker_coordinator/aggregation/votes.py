@@ -16,11 +16,12 @@ held to the same share as a round of 10.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
+from edgefl_protocol import compression
+from edgefl_protocol.errors import Rejected
 from edgefl_protocol.sparse_delta import SparseDelta
 
 
@@ -57,21 +58,17 @@ class SignVotes:
         return out, 1.0 - float(keep.mean())
 
 
-# on a site's partial: the net counts, int32 little-endian, zlib'd (most are small: a few hundred KB
-# of zeros and ones compress to tens)
+# on a site's partial: the net counts, int32 little-endian, compressed as tensor bodies are (most are
+# small: a few hundred KB of zeros and ones compress to tens)
 def encode_net(net: np.ndarray) -> bytes:
-    return zlib.compress(np.asarray(net, dtype="<i4").tobytes(), 1)
+    return compression.compress(np.asarray(net, dtype="<i4").tobytes(), "zlib")
 
 
 def decode_net(data: bytes, size: int) -> np.ndarray:
-    """A partial's net votes, exactly `size` of them. Raises ValueError."""
-    unpacked = zlib.decompressobj()
-    try:
-        raw = unpacked.decompress(data, 4 * size + 1)
-    except zlib.error as exc:
-        raise ValueError(f"votes are not zlib data: {exc}") from None
-    if len(raw) != 4 * size or unpacked.unconsumed_tail:
-        raise ValueError(f"votes must be {size} int32 counts, one per parameter")
+    """A partial's net votes, exactly `size` of them. Raises Rejected."""
+    raw = compression.decompress(data, "zlib", 4 * size)
+    if len(raw) != 4 * size:
+        raise Rejected("schema", f"partial: votes must be {size} int32 counts, one per parameter")
     return np.frombuffer(raw, dtype="<i4").astype(np.int32)
 
 
