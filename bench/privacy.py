@@ -96,14 +96,17 @@ SYNTHETIC_BATCH = 50
 
 
 def settings_for(algorithm: str, epsilon: str, cohort: int, population: int, rounds: int,
-                 clip_initial: float, lr: float, batch_size: int = 32, serve_average: float = 0.0) -> RoundSettings:
+                 clip_initial: float, lr: float, batch_size: int = 32, serve_average: float = 0.0,
+                 server: dict | None = None, target_quantile: float = 0.5) -> RoundSettings:
+    """`server`: [rounds] server_optimizer keys (server_optimizer, server_lr, server_momentum); the
+    optimizer steps on the private fold's output, so it is post-processing and costs no epsilon."""
     privacy = PrivacySettings() if epsilon == "none" else PrivacySettings(
         mode="central", target_epsilon=float(epsilon), delta=DELTA, planned_rounds=rounds, population=population,
-        clip="adaptive", clip_initial=clip_initial)
+        clip="adaptive", clip_initial=clip_initial, target_quantile=target_quantile)
     return RoundSettings(algorithm=algorithm, clients_per_round=cohort, local_epochs=1, lr=lr, batch_size=batch_size,
                          aggregator="mean",
                          weighting="uniform", norm_bound=0, round_timeout=60, privacy=privacy,
-                         serve_average=serve_average)
+                         serve_average=serve_average, **(server or {}))
 
 
 def run(name: str, arch: str, clients: list, test, settings: RoundSettings, rounds: int, seed: int) -> dict:
@@ -263,6 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-average", type=float, default=0.0,
                     help="1000of10000: [rounds] serve_average, the decay of the evaluated moving average of the "
                          "global models (0: the last model); it averages out a period-2 oscillation")
+    ap.add_argument("--server-optimizer", choices=("sgd", "momentum"), default="sgd",
+                    help="1000of10000: [rounds] server_optimizer on the (private) folded step")
+    ap.add_argument("--server-lr", type=float, default=None,
+                    help="1000of10000: [rounds] server_lr (default: the optimizer's, 1 - momentum for momentum)")
+    ap.add_argument("--server-momentum", type=float, default=0.9, help="1000of10000: [rounds] server_momentum")
+    ap.add_argument("--target-quantile", type=float, default=0.5,
+                    help="1000of10000: [privacy] target_quantile, the share of updates the adaptive clip leaves whole")
+    ap.add_argument("--epsilons", default=",".join(EPSILONS),
+                    help="a probe: run only these of " + ", ".join(EPSILONS) + " (the result needs them all)")
+    ap.add_argument("--row", default="1000of10000",
+                    help="the 1000of10000 runs' row name in --out (a variant's, e.g. \"1000of10000, server "
+                         "momentum 0.9\", to --combine into the main result; only the row 1000of10000 also times "
+                         "the coordinator's round)")
     ap.add_argument("--only", choices=("1000of10000", "10of20"), default=None)
     ap.add_argument("--synthetic-labels", choices=("shared", "per-device"), default="shared",
                     help="one labelling model for every synthetic device (learnable), or FedProx's own per device")
@@ -303,11 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         done = cached_runs(RUNS / f"1000of10000-{synthetic_sizing(args)}", args.synthetic_seeds, lambda eps, seed: run(
             f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
             settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
-                         args.synthetic_batch, args.serve_average),
-            args.synthetic_rounds, seed))
+                         args.synthetic_batch, args.serve_average, server_of(args), args.target_quantile),
+            args.synthetic_rounds, seed), epsilons(args))
         if done is None:
             return 0  # another process runs the rest and writes the result
-        runs["1000of10000"] = done
+        runs[args.row] = done
         partial(args.out, runs)
     if args.only != "1000of10000":
         done = cached_runs(RUNS / f"10of20-simulate-r{args.rounds}-clip{args.clip_initial:g}", args.seeds,
@@ -330,12 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "measured_with": provenance.measured_with(provenance.invoked(), provenance.deciding(
             settings_for("fedprox", "8", 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
-                         args.synthetic_batch)),
+                         args.synthetic_batch, args.serve_average, server_of(args), args.target_quantile)),
             delta=DELTA, sampling="poisson", clip="adaptive", clip_initial=args.clip_initial, local_epochs=1,
             transport={"1000of10000": "in-memory (bench/inmemory.py)",
                        "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),
             synthetic_labels=args.synthetic_labels, synthetic_lr=args.synthetic_lr,
             synthetic_batch_size=args.synthetic_batch, serve_average=args.serve_average,
+            target_quantile=args.target_quantile, **({"server_momentum": args.server_momentum}
+                                                     if args.server_optimizer == "momentum" else {}),
             **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
         "accountant_check": accountant_check(args.synthetic_rounds),
@@ -366,10 +384,10 @@ def round_time_only(args: argparse.Namespace) -> int:
 def report_only(args: argparse.Namespace) -> int:
     """`--report-only`: the cohorts' rows of --out summarized again from their cached runs."""
     result = json.loads(args.out.read_text())
-    folders = {"1000of10000": RUNS / f"1000of10000-{synthetic_sizing(args)}",
+    folders = {args.row: RUNS / f"1000of10000-{synthetic_sizing(args)}",
                "10of20": RUNS / f"10of20-simulate-r{args.rounds}-clip{args.clip_initial:g}"}
-    seeds = {"1000of10000": args.synthetic_seeds, "10of20": args.seeds}
-    for cohort in [args.only] if args.only else list(folders):
+    seeds = {args.row: args.synthetic_seeds, "10of20": args.seeds}
+    for cohort in [args.row if args.only == "1000of10000" else args.only] if args.only else list(folders):
         files = {eps: [folders[cohort] / f"eps{eps}-seed{seed}.json" for seed in range(seeds[cohort])]
                  for eps in EPSILONS}
         if missing := [str(f) for fs in files.values() for f in fs if not f.exists()]:
@@ -386,7 +404,26 @@ def synthetic_sizing(args: argparse.Namespace) -> str:
     return (f"r{args.synthetic_rounds}-cap{args.cap}-test{args.test}-{args.synthetic_labels}"
             f"-clip{args.clip_initial:g}" + ("" if args.synthetic_lr == 0.05 else f"-lr{args.synthetic_lr:g}")
             + ("" if args.synthetic_batch == 32 else f"-batch{args.synthetic_batch}")
-            + (f"-ema{args.serve_average:g}" if args.serve_average else ""))
+            + (f"-ema{args.serve_average:g}" if args.serve_average else "")
+            + ("" if args.target_quantile == 0.5 else f"-q{args.target_quantile:g}")
+            + "".join(f"-{k.replace('_', '')}{v:g}" if isinstance(v, float) else f"-{v}"
+                      for k, v in server_of(args).items()))
+
+
+def epsilons(args: argparse.Namespace) -> tuple[str, ...]:
+    chosen = tuple(e for e in EPSILONS if e in args.epsilons.split(","))
+    unknown = set(args.epsilons.split(",")) - set(EPSILONS)
+    if unknown or not chosen:
+        raise SystemExit(f"--epsilons takes some of {', '.join(EPSILONS)}, got {args.epsilons!r}")
+    return chosen
+
+
+def server_of(args: argparse.Namespace) -> dict:
+    """The [rounds] server optimizer keys the flags set (empty: the plain server rule)."""
+    if args.server_optimizer == "sgd":
+        return {} if args.server_lr is None else {"server_lr": args.server_lr}
+    return {"server_optimizer": args.server_optimizer, "server_momentum": args.server_momentum,
+            **({} if args.server_lr is None else {"server_lr": args.server_lr})}
 
 
 def data_cuts(args: argparse.Namespace) -> dict:
@@ -406,11 +443,12 @@ def combine(main: Path, other: Path, out: Path) -> int:
     return 0
 
 
-def cached_runs(folder: Path, seeds: int, one_run: Callable[[str, int], dict]) -> dict | None:
+def cached_runs(folder: Path, seeds: int, one_run: Callable[[str, int], dict],
+                epsilons: tuple[str, ...] = EPSILONS) -> dict | None:
     """Each epsilon's summary over `seeds` seeds, every run cached in `folder`; None when runs that
     another process claimed are still going (that process, finishing last, gets the whole set)."""
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [(eps, seed) for seed in range(seeds) for eps in EPSILONS]  # seed 0 of every epsilon first
+    jobs = [(eps, seed) for seed in range(seeds) for eps in epsilons]  # seed 0 of every epsilon first
     for eps, seed in jobs:
         path = folder / f"eps{eps}-seed{seed}.json"
         claim = path.with_suffix(".claim")
@@ -428,6 +466,9 @@ def cached_runs(folder: Path, seeds: int, one_run: Callable[[str, int], dict]) -
             claim.unlink(missing_ok=True)
     if any(not (folder / f"eps{eps}-seed{seed}.json").exists() for eps, seed in jobs):
         print(f"runs still going in {folder}; the process that finishes last writes the result", flush=True)
+        return None
+    if epsilons != EPSILONS:
+        print(f"probe done: {folder}/eps{{{','.join(epsilons)}}}-seed*.json (a result needs every epsilon)", flush=True)
         return None
     return {eps: summarize([json.loads((folder / f"eps{eps}-seed{seed}.json").read_text()) for seed in range(seeds)])
             for eps in EPSILONS}

@@ -30,6 +30,7 @@ Other keys (data, partition, seeds, ...) are free-form.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,7 @@ def portable(arg: str) -> str:
 def invoked() -> str:
     """How this process was started, as a command to rerun: "python -m bench.field --quick"."""
     script = Path(sys.argv[0]).resolve()
-    args = [portable(a) for a in sys.argv[1:]]
+    args = [shlex.quote(portable(a)) for a in sys.argv[1:]]  # quoted: an argument with spaces reruns as one
     try:
         module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
     except ValueError:

@@ -86,6 +86,8 @@ def at(data, path: str):
 
 KIB = 1 / 1024
 # (doc, claim text with the quoted number as its group, file, JSON path, scale, decimals)
+MOMENTUM_ROW = "1000of10000, server momentum 0.9, serve_average 0.5"  # privacy.json's 1000of10000 row with server momentum
+
 CLAIMS = [
     ("README.md", r"FedAvg's local passes: \+([\d.]+) points", "field.json",
      "choice/margins/dynsam+sgd/mnist5k_dirichlet0.1_20clients", 1, 2),
@@ -104,22 +106,20 @@ CLAIMS = [
     ("README.md", r"([+-][\d.]+) points against FedAvg", "algorithms.json", "headline_vs/dynsam/fedavg", 100, 2),
     ("README.md", r"([+-][\d.]+) against FedSMOO", "algorithms.json", "headline_vs/dynsam/fedsmoo", 100, 2),
     ("README.md", r"within ([\d.]+) points of clean", "attacks.json", "clean_minus_sign_flip@0.1", 100, 1),
-    ("README.md", r"\(1 seed, lr [\d.]+, one local step a round\)\s+end at ([\d.]+)% at epsilon 8", "privacy.json",
-     "runs/1000of10000/8/final_accuracy/0", 100, 2),
-    ("README.md", r"([\d.]+)% at epsilon 3 and", "privacy.json", "runs/1000of10000/3/final_accuracy/0", 100, 2),
-    ("README.md", r"([\d.]+)% at epsilon 1 \(delta", "privacy.json", "runs/1000of10000/1/final_accuracy/0", 100, 2),
-    ("README.md", r"against ([\d.]+)% without privacy, with the adaptive clip", "privacy.json",
-     "runs/1000of10000/none/final_accuracy/0", 100, 2),
-    ("README.md", r"last two rounds is ([\d.]+)% without privacy", "privacy.json",
-     "runs/1000of10000/none/last_two_mean/0", 100, 1),
-    *[("README.md", r"last two rounds is [\d.]+% without privacy and " + r"[\d.]+ / " * i + r"([\d.]+)",
-       "privacy.json", f"runs/1000of10000/{eps}/last_two_mean/0", 100, 1) for i, eps in enumerate(("8", "3", "1"))],
-    ("README.md", r"final rounds average\s+([\d.]+)% without privacy", "privacy.json",
+    ("README.md", r"serve_average 0.5\"\) end at ([\d.]+)% without privacy", "privacy.json",
+     f"runs/{MOMENTUM_ROW}/none/final_accuracy_mean", 100, 2),
+    *[("README.md", r"end at [\d.]+% without privacy\s+and " + r"[\d.]+ / " * i + r"([\d.]+)", "privacy.json",
+       f"runs/{MOMENTUM_ROW}/{eps}/final_accuracy_mean", 100, 2) for i, eps in enumerate(("8", "3", "1"))],
+    ("docs/PRIVACY.md", r"non-private run ends at \*\*([\d.]+)%", "privacy.json",
+     f"runs/{MOMENTUM_ROW}/none/final_accuracy_mean", 100, 2),
+    *[("docs/PRIVACY.md", r"private ones at \*\*" + r"[\d.]+ / " * i + r"([\d.]+)", "privacy.json",
+       f"runs/{MOMENTUM_ROW}/{eps}/final_accuracy_mean", 100, 2) for i, eps in enumerate(("8", "3", "1"))],
+    ("README.md", r"learns in 40 rounds \(([\d.]+)% without privacy", "privacy.json",
      "runs/1000of10000, serve_average 0.5/none/final_accuracy_mean", 100, 2),
-    *[("README.md", r"final rounds average\s+[\d.]+% without privacy and " + r"[\d.]+ / " * i + r"([\d.]+)",
+    *[("README.md", r"learns in 40 rounds \([\d.]+% without privacy, " + r"[\d.]+ / " * i + r"([\d.]+)",
        "privacy.json", f"runs/1000of10000, serve_average 0.5/{eps}/final_accuracy_mean", 100, 2)
       for i, eps in enumerate(("8", "3", "1"))],
-    ("README.md", r"The ([\d.]+)% the same MLP", "privacy.json", "central_reference/accuracy", 100, 2),
+    ("README.md", r"MLP reaches\s+([\d.]+)% in one central epoch", "privacy.json", "central_reference/accuracy", 100, 2),
     ("docs/PRIVACY.md", r"scores ([\d.]+)% after one epoch", "privacy.json", "central_reference/accuracy", 100, 2),
     ("README.md", r"takes ([\d.]+)x the\s+time without DP", "privacy.json", "round_seconds/ratio", 1, 2),
     *[("README.md", r"end at " + r"[\d.]+,?\s+(?:and\s+)?" * i + r"([\d.]+)", "privacy.json",
