@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-quantile", type=float, default=0.5,
                     help="1000of10000: [privacy] target_quantile, the share of updates the adaptive clip leaves whole")
     ap.add_argument("--epsilons", default=",".join(EPSILONS),
-                    help="a probe: run only these of " + ", ".join(EPSILONS) + " (the result needs them all)")
+                    help="1000of10000, a probe: run only these of " + ", ".join(EPSILONS)
+                         + " (cached; a result needs them all)")
     ap.add_argument("--row", default="1000of10000",
                     help="the 1000of10000 runs' row name in --out (a variant's, e.g. \"1000of10000, server "
                          "momentum 0.9\", to --combine into the main result; only the row 1000of10000 also times "
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-repeats", type=int, default=15,
                     help="round_seconds: timed rounds per coordinator (after one untimed warm-up each)")
     args = ap.parse_args(argv)
+    args.epsilons = epsilons(args)
     if args.combine:
         return combine(*args.combine, args.out)
     inmemory.set_threads(1)
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
             settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
                          args.synthetic_batch, args.serve_average, server_of(args), args.target_quantile),
-            args.synthetic_rounds, seed), epsilons(args))
+            args.synthetic_rounds, seed), args.epsilons)
         if done is None:
             return 0  # another process runs the rest and writes the result
         runs[args.row] = done
@@ -411,6 +413,7 @@ def synthetic_sizing(args: argparse.Namespace) -> str:
 
 
 def epsilons(args: argparse.Namespace) -> tuple[str, ...]:
+    """--epsilons as a tuple in EPSILONS' order (a comparison with EPSILONS says whether it is a probe)."""
     chosen = tuple(e for e in EPSILONS if e in args.epsilons.split(","))
     unknown = set(args.epsilons.split(",")) - set(EPSILONS)
     if unknown or not chosen:
