@@ -125,8 +125,10 @@ def untrained_score(arch: str, seed: int) -> float:
     return Objective().evaluate(build_model(arch, seed), datasets.load("digits").test).score
 
 
-def run_cell(cell: Cell, workdir: Path, agents: int = AGENTS, versions: int = VERSIONS, seed: int = 0) -> dict:
-    """Run one cell through `simulate`; its record (ok, first/final score, detail)."""
+def run_cell(cell: Cell, workdir: Path, agents: int = AGENTS, versions: int = VERSIONS, seed: int = 0,
+             settings: RoundSettings | None = None) -> dict:
+    """Run one cell through `simulate` (with `settings`, e.g. the cell's plus a stage under test, instead
+    of the cell's own); its record (ok, first/final score, detail). The rounds are in workdir/history.json."""
     from broker_coordinator.simulation.simulate import SimulationSpec, simulate
 
     if cell.schedule == "buffered":  # the sync cells' device work: `versions` updates of every device
@@ -135,7 +137,7 @@ def run_cell(cell: Cell, workdir: Path, agents: int = AGENTS, versions: int = VE
                           federation="comp", sites=SITES if cell.topology == "sites" else 0)
     lines: list[str] = []
     started = time.monotonic()
-    history = simulate(spec, cell.settings(), echo=lines.append)
+    history = simulate(spec, settings or cell.settings(), echo=lines.append)
     first, final = untrained_score("digits_mlp", seed), history[-1]["score"]
     reported = [r["federated"]["score"] for r in history if r.get("federated")]
     ok = bool(final > first) and (cell.evaluate == "central" or bool(reported))

@@ -320,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         clients, test = synthetic(args.cap, args.test, args.synthetic_labels == "shared")
         done = cached_runs(RUNS / f"1000of10000-{synthetic_sizing(args)}", args.synthetic_seeds, lambda eps, seed: run(
             f"1000of10000 eps {eps}", "synthetic_mlp", clients, test,
-            settings_for("fedprox", eps, 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
-                         args.synthetic_batch, args.serve_average, server_of(args), args.target_quantile),
+            synthetic_settings(args, eps),
             args.synthetic_rounds, seed), args.epsilons)
         if done is None:
             return 0  # another process runs the rest and writes the result
@@ -347,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if "1000of10000" in runs and args.only != "10of20" else (merged or {}).get("round_seconds", {})
     result = {
         "measured_with": provenance.measured_with(provenance.invoked(), provenance.deciding(
-            settings_for("fedprox", "8", 1000, 10_000, args.synthetic_rounds, args.clip_initial, args.synthetic_lr,
-                         args.synthetic_batch, args.serve_average, server_of(args), args.target_quantile)),
+            synthetic_settings(args, "8")),
             delta=DELTA, sampling="poisson", clip="adaptive", clip_initial=args.clip_initial, local_epochs=1,
             transport={"1000of10000": "in-memory (bench/inmemory.py)",
                        "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),
@@ -419,6 +417,13 @@ def epsilons(args: argparse.Namespace) -> tuple[str, ...]:
     if unknown or not chosen:
         raise SystemExit(f"--epsilons takes some of {', '.join(EPSILONS)}, got {args.epsilons!r}")
     return chosen
+
+
+def synthetic_settings(args: argparse.Namespace, epsilon: str) -> RoundSettings:
+    """The 1000of10000 cohort's settings at `epsilon`, as the flags size them."""
+    return settings_for("fedprox", epsilon, 1000, 10_000, args.synthetic_rounds, args.clip_initial,
+                        args.synthetic_lr, args.synthetic_batch, args.serve_average, server_of(args),
+                        args.target_quantile)
 
 
 def server_of(args: argparse.Namespace) -> dict:
