@@ -66,7 +66,7 @@ from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
-from edgefl_protocol import messages
+from edgefl_protocol import codec, messages
 from models import datasets
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,7 +97,8 @@ SYNTHETIC_BATCH = 50
 
 def settings_for(algorithm: str, epsilon: str, cohort: int, population: int, rounds: int,
                  clip_initial: float, lr: float, batch_size: int = 32, serve_average: float = 0.0,
-                 server: dict | None = None, target_quantile: float = 0.5) -> RoundSettings:
+                 server: dict | None = None, target_quantile: float = 0.5,
+                 uplink: str = codec.DEFAULT) -> RoundSettings:
     """`server`: [rounds] server_optimizer keys (server_optimizer, server_lr, server_momentum); the
     optimizer steps on the private fold's output, so it is post-processing and costs no epsilon."""
     privacy = PrivacySettings() if epsilon == "none" else PrivacySettings(
@@ -106,7 +107,7 @@ def settings_for(algorithm: str, epsilon: str, cohort: int, population: int, rou
     return RoundSettings(algorithm=algorithm, clients_per_round=cohort, local_epochs=1, lr=lr, batch_size=batch_size,
                          aggregator="mean",
                          weighting="uniform", norm_bound=0, round_timeout=60, privacy=privacy,
-                         serve_average=serve_average, **(server or {}))
+                         serve_average=serve_average, codec=uplink, **(server or {}))
 
 
 def run(name: str, arch: str, clients: list, test, settings: RoundSettings, rounds: int, seed: int) -> dict:
@@ -271,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-lr", type=float, default=None,
                     help="1000of10000: [rounds] server_lr (default: the optimizer's, 1 - momentum for momentum)")
     ap.add_argument("--server-momentum", type=float, default=0.9, help="1000of10000: [rounds] server_momentum")
+    ap.add_argument("--codec", default=codec.DEFAULT,
+                    help="1000of10000: [rounds] codec, the devices' uplink (default: the shipped one)")
+    ap.add_argument("--server-lr-decay", type=float, default=1.0,
+                    help="1000of10000: [rounds] server_lr_decay, the server step's decay per round (1: fixed)")
     ap.add_argument("--target-quantile", type=float, default=0.5,
                     help="1000of10000: [privacy] target_quantile, the share of updates the adaptive clip leaves whole")
     ap.add_argument("--epsilons", default=",".join(EPSILONS),
@@ -406,6 +411,7 @@ def synthetic_sizing(args: argparse.Namespace) -> str:
             + ("" if args.synthetic_batch == 32 else f"-batch{args.synthetic_batch}")
             + (f"-ema{args.serve_average:g}" if args.serve_average else "")
             + ("" if args.target_quantile == 0.5 else f"-q{args.target_quantile:g}")
+            + ("" if args.codec == codec.DEFAULT else f"-{args.codec}")
             + "".join(f"-{k.replace('_', '')}{v:g}" if isinstance(v, float) else f"-{v}"
                       for k, v in server_of(args).items()))
 
@@ -423,15 +429,16 @@ def synthetic_settings(args: argparse.Namespace, epsilon: str) -> RoundSettings:
     """The 1000of10000 cohort's settings at `epsilon`, as the flags size them."""
     return settings_for("fedprox", epsilon, 1000, 10_000, args.synthetic_rounds, args.clip_initial,
                         args.synthetic_lr, args.synthetic_batch, args.serve_average, server_of(args),
-                        args.target_quantile)
+                        args.target_quantile, args.codec)
 
 
 def server_of(args: argparse.Namespace) -> dict:
     """The [rounds] server optimizer keys the flags set (empty: the plain server rule)."""
+    decay = {} if args.server_lr_decay == 1.0 else {"server_lr_decay": args.server_lr_decay}
     if args.server_optimizer == "sgd":
-        return {} if args.server_lr is None else {"server_lr": args.server_lr}
+        return ({} if args.server_lr is None else {"server_lr": args.server_lr}) | decay
     return {"server_optimizer": args.server_optimizer, "server_momentum": args.server_momentum,
-            **({} if args.server_lr is None else {"server_lr": args.server_lr})}
+            **({} if args.server_lr is None else {"server_lr": args.server_lr}), **decay}
 
 
 def data_cuts(args: argparse.Namespace) -> dict:

@@ -63,6 +63,7 @@ def deciding(rounds: Any, topology: str = "flat") -> dict[str, Any]:
         "topology": topology,
         "server_optimizer": rounds.server_optimizer,
         "server_lr": rounds.server_step_size(),
+        "server_lr_decay": rounds.server_lr_decay,
     }
 
 

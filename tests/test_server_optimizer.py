@@ -51,6 +51,25 @@ def test_momentum_is_heavy_ball_on_the_pseudo_gradient():
     assert RoundSettings(server_optimizer="momentum", server_momentum=0.8).server_step_size() == pytest.approx(0.2)
 
 
+def test_server_lr_decay_shrinks_each_step_geometrically_and_resumes_from_the_checkpoint():
+    # steps 1, 0.5, 0.25 of a constant pseudo-gradient 1
+    assert _steps("sgd", [1.0, 1.0, 1.0], lr=1.0, lr_decay=0.5) == pytest.approx([1.0, 1.5, 1.75])
+    # momentum: m = 1, 1.9, 2.71 at rates 0.5, 0.25, 0.125
+    assert _steps("momentum", [1.0, 1.0, 1.0], lr=0.5, momentum=0.9, lr_decay=0.5) == pytest.approx(
+        [0.5, 0.5 + 0.475, 0.5 + 0.475 + 0.33875])
+    assert not ServerOptimizer("sgd", lr=1.0, lr_decay=0.9).is_identity
+    assert RoundSettings(server_lr_decay=0.9).server_lr_decay == 0.9 and RoundSettings().server_lr_decay == 1.0
+    # a restarted coordinator continues the schedule where the checkpoint left it
+    opt = ServerOptimizer("momentum", lr=1.0, lr_decay=0.8)
+    x = {"w": np.zeros(1, np.float32)}
+    for _ in range(3):
+        x = opt.apply(x, {"w": x["w"] + np.float32(1.0)})
+    resumed = ServerOptimizer("momentum", lr=1.0, lr_decay=0.8)
+    resumed.load_state(opt.state(), {"w": (1,)})
+    assert resumed.step_size() == pytest.approx(0.8 ** 3) == opt.step_size()
+    assert "server_lr_decay 0.8" in resumed.describe()
+
+
 @pytest.mark.parametrize("name", ["adam", "yogi", "adagrad"])
 def test_adaptive_optimizers_follow_reddi_et_al_algorithm_2(name):
     b1, b2, tau, lr = 0.9, 0.99, 1e-3, 0.1
@@ -79,6 +98,8 @@ def test_defaults_are_reddi_et_al_and_documented_rates():
     ("server_lr", 0.0, "server_lr must be in (0, 10]"),
     ("server_lr", -1, "server_lr must be in (0, 10]"),
     ("server_momentum", 1.0, "server_momentum must be in [0, 1)"),
+    ("server_lr_decay", 0.0, "server_lr_decay must be in (0, 1]"),
+    ("server_lr_decay", 1.5, "server_lr_decay must be in (0, 1]"),
     ("beta1", -0.1, "beta1 must be in [0, 1)"),
     ("beta2", 1.5, "beta2 must be in [0, 1)"),
     ("tau", 0, "tau must be > 0"),
@@ -244,8 +265,9 @@ def test_sites_apply_it_as_the_flat_coordinator_does(digits):
 
 # --- with a server rule that carries its own state (FedDyn's H) -----------------------------
 
-def test_the_optimizer_sees_feddyns_corrected_step(digits):
-    """FedDyn's server rule steps by mean delta + H; the optimizer's pseudo-gradient is that whole step."""
+def test_the_optimizer_steps_on_the_mean_delta_and_adds_feddyns_h_outside_its_moments(digits):
+    """FedDyn's server rule steps by mean delta + H. The optimizer's pseudo-gradient is the mean delta;
+    H, itself a running sum of past mean deltas, is added as the rule made it (never momented)."""
     kind = dict(SIMPLE, algorithm="feddyn")
     plain = Coordinator(FED, ARCH, digits.test, RoundSettings(**kind), device_keys=KEYS)
     heavy = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", server_lr=0.5, **kind),
@@ -262,12 +284,24 @@ def test_the_optimizer_sees_feddyns_corrected_step(digits):
     # every device of the round answered (share 1): H_1 = 0.02, so FedDyn's first step is 0.02 + 0.02
     np.testing.assert_allclose(steps[0][name], 0.04, atol=1e-6)
     np.testing.assert_allclose(steps[1][name], 0.01 + 0.03, atol=1e-6)  # mean 0.01 + H_2 = 0.03
-    for n in x0:  # heavy ball on those steps: m_1 = s_1, m_2 = 0.9 s_1 + s_2
-        np.testing.assert_allclose(heavy.weights[n], x0[n] + 0.5 * steps[0][n] + 0.5 * (0.9 * steps[0][n] + steps[1][n]),
-                                   atol=1e-5)
+    # heavy ball on the mean deltas (m_1 = 0.02, m_2 = 0.9 * 0.02 + 0.01) at rate 0.5, plus H_1 and H_2
+    expected = 0.5 * 0.02 + 0.02 + 0.5 * (0.9 * 0.02 + 0.01) + 0.03
+    for n in x0:
+        np.testing.assert_allclose(heavy.weights[n], x0[n] + expected, atol=1e-5)
     assert heavy.server_rule.H is not None and plain.server_rule.H is not None
     for n in x0:  # the dual itself is the server rule's, untouched by the optimizer
         np.testing.assert_array_equal(heavy.server_rule.H[n], plain.server_rule.H[n])
+
+
+def test_without_a_rule_of_its_own_the_split_changes_nothing():
+    # fedavg's step is the mean delta: passing it gives the same model as taking x' - x
+    x = {"w": np.array([0.5, -1.0], np.float32)}
+    mean = {"w": np.array([0.25, 0.125], np.float32)}
+    proposed = {"w": x["w"] + mean["w"]}
+    split, whole = ServerOptimizer("momentum", lr=0.3), ServerOptimizer("momentum", lr=0.3)
+    for _ in range(3):
+        a, b = split.apply(x, proposed, mean), whole.apply(x, proposed)
+        np.testing.assert_allclose(a["w"], b["w"], rtol=1e-6)
 
 
 def test_feddyn_with_server_momentum_runs_and_converges_on_a_small_problem():

@@ -1,31 +1,43 @@
 """Server optimizers: the FedOpt family (Reddi et al., ICLR 2021, "Adaptive Federated Optimization")
 and server momentum (FedAvgM, Hsu et al. 2019), applied to every algorithm's server rule.
 
-The algorithm's server rule proposes the next global model x' = new_global(x, mean delta, extras);
-its step is the pseudo-gradient (Reddi et al.'s Delta_t, a descent direction: clients' models minus x)
+The algorithm's server rule proposes the next global model x' = new_global(x, mean delta, extras).
+Its step splits in two: the clients' mean delta, and what the rule adds of its own (a dual
+algorithm's H, the population mean of the devices' duals; zero for the others):
 
-    Delta_t = x' - x_t
+    x' - x_t = Delta_t + R_t
 
-and the server optimizer turns it into the step actually taken, per coordinate:
+Delta_t is the pseudo-gradient (Reddi et al.'s Delta_t, a descent direction: clients' models minus
+x); the server optimizer turns it into a step, per coordinate, and R_t is added as the rule made it:
 
-    sgd       x_{t+1} = x_t + eta * Delta_t
-    momentum  m_t = mu * m_{t-1} + Delta_t;                            x_{t+1} = x_t + eta * m_t
+    x_{t+1} = x_t + eta * D_t + R_t
+
+where D_t is the optimizer's direction:
+
+    sgd       D_t = Delta_t
+    momentum  m_t = mu * m_{t-1} + Delta_t;                            D_t = m_t
     adagrad   m_t = b1 * m_{t-1} + (1 - b1) * Delta_t;   v_t = v_{t-1} + Delta_t^2
     adam      m_t as adagrad;                            v_t = b2 * v_{t-1} + (1 - b2) * Delta_t^2
     yogi      m_t as adagrad;                            v_t = v_{t-1} - (1 - b2) * Delta_t^2 * sign(v_{t-1} - Delta_t^2)
-              (adaptive ones)                            x_{t+1} = x_t + eta * m_t / (sqrt(v_t) + tau)
+              (adaptive ones)                            D_t = m_t / (sqrt(v_t) + tau)
 
 with m_{-1} = 0 and v_{-1} = tau^2 (Reddi et al.'s Algorithm 2 asks v_{-1} >= tau^2), and no bias
 correction (their Algorithm 2 has none). Parameters, [rounds] keys with their defaults: server_optimizer
 "sgd"; server_lr eta (unset: 1.0 for sgd, 1 - mu for momentum, 0.01 for adam and yogi, 0.1 for
 adagrad: `RoundSettings.server_step_size`); server_momentum mu 0.9; beta1 b1 0.9; beta2 b2 0.99;
-tau 1e-3. sgd with eta 1 returns x' itself: the server rule alone, bit for bit (today's behaviour).
+tau 1e-3; server_lr_decay gamma 1: the step t (0 = the first) is taken at eta * gamma^t, as the clients'
+lr_decay shrinks theirs per round. A step that shrinks is what ends in a model rather than a noise
+ball when every round's aggregate carries noise (DP's Gaussian noise, a cohort's sampling): with a
+fixed step the iterate keeps wandering by a distance proportional to it (docs/PRIVACY.md).
+sgd with eta 1 and gamma 1 returns x' itself: the server rule alone, bit for bit.
 
 The engine applies it once per applied model: per round (sync, flat or in sites) and per version
-(buffered). What it sees is the server rule's whole step: for FedDyn and DynSAM that includes the
-server dual H (x' - x = mean delta + H), so momentum there accumulates a step that already
-accumulates past deltas (docs/ALGORITHMS.md, "Server optimizers"). Its moments are checkpointed
-beside the server rule's state (`Checkpoint.server_optimizer`) and restored on resume.
+(buffered). Why R_t stays outside the moments: H is itself a running sum of past mean deltas, so a
+momentum on Delta_t + H would accumulate an accumulation (x moving by sums of sums), and an adaptive
+optimizer would rescale the dual's correction by the clients' step statistics. Measured: on the
+headline partition dynsam+sgd with server momentum ended at 36.5% (best 76.5%) when the optimizer
+saw the whole step (docs/ALGORITHMS.md, "Server optimizers"). Its moments are checkpointed beside
+the server rule's state (`Checkpoint.server_optimizer`) and restored on resume.
 """
 
 from __future__ import annotations
@@ -47,11 +59,12 @@ class ServerOptimizer:
     """One server optimizer and its moments (float64, one array per model tensor: O(model))."""
 
     def __init__(self, name: str = "sgd", lr: float = 1.0, momentum: float = 0.9, beta1: float = 0.9,
-                 beta2: float = 0.99, tau: float = 1e-3) -> None:
+                 beta2: float = 0.99, tau: float = 1e-3, lr_decay: float = 1.0) -> None:
         if name not in SERVER_OPTIMIZERS:
             raise ValueError(f"server_optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {name!r}")
         self.name, self.lr, self.momentum = name, float(lr), float(momentum)
         self.beta1, self.beta2, self.tau = float(beta1), float(beta2), float(tau)
+        self.lr_decay = float(lr_decay)
         self.m: dict[str, np.ndarray] = {}
         self.v: dict[str, np.ndarray] = {}
         self.steps = 0  # steps taken (rounds or buffered versions that trained)
@@ -59,31 +72,43 @@ class ServerOptimizer:
     @classmethod
     def of(cls, settings: RoundSettings) -> ServerOptimizer:
         return cls(settings.server_optimizer, settings.server_step_size(), settings.server_momentum,
-                   settings.beta1, settings.beta2, settings.tau)
+                   settings.beta1, settings.beta2, settings.tau, settings.server_lr_decay)
 
     @property
     def is_identity(self) -> bool:
-        """sgd at eta 1: the server rule's model, untouched."""
-        return self.name == "sgd" and self.lr == 1.0
+        """sgd at eta 1 that never decays: the server rule's model, untouched."""
+        return self.name == "sgd" and self.lr == 1.0 and self.lr_decay == 1.0
+
+    def step_size(self) -> float:
+        """The learning rate of the next step: eta * gamma^(steps taken)."""
+        return self.lr * self.lr_decay ** self.steps
 
     def describe(self) -> str:
+        decay = f", server_lr_decay {self.lr_decay:g}" if self.lr_decay != 1.0 else ""
         if self.name == "sgd":
-            return f"sgd (server_lr {self.lr:g})"
+            return f"sgd (server_lr {self.lr:g}{decay})"
         if self.name == "momentum":
-            return f"momentum (server_lr {self.lr:g}, server_momentum {self.momentum:g})"
+            return f"momentum (server_lr {self.lr:g}, server_momentum {self.momentum:g}{decay})"
         betas = f"beta1 {self.beta1:g}" + (f", beta2 {self.beta2:g}" if self.name != "adagrad" else "")
-        return f"{self.name} (server_lr {self.lr:g}, {betas}, tau {self.tau:g})"
+        return f"{self.name} (server_lr {self.lr:g}, {betas}, tau {self.tau:g}{decay})"
 
-    def apply(self, weights: Mapping[str, np.ndarray], proposed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The next global model: x_t = `weights`, x' = `proposed` (the server rule's new_global)."""
-        self.steps += 1
+    def apply(self, weights: Mapping[str, np.ndarray], proposed: Mapping[str, np.ndarray],
+              mean_delta: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The next global model: x_t = `weights`, x' = `proposed` (the server rule's new_global),
+        Delta_t = `mean_delta` (the folded clients' delta the rule was given; None: the whole step
+        x' - x_t is taken as Delta_t, R_t = 0)."""
         if self.is_identity:
+            self.steps += 1
             return dict(proposed)
+        lr = self.step_size()
+        self.steps += 1
         out = {}
         for name, x in weights.items():
             x64 = np.asarray(x, dtype=np.float64)
-            delta = np.asarray(proposed[name], dtype=np.float64) - x64
-            out[name] = (x64 + self.lr * self._direction(name, delta)).astype(np.float32)
+            step = np.asarray(proposed[name], dtype=np.float64) - x64
+            delta = step if mean_delta is None else np.asarray(mean_delta[name], dtype=np.float64)
+            rule_own = step - delta  # R_t: a dual rule's H (float rounding for the others)
+            out[name] = (x64 + lr * self._direction(name, delta) + rule_own).astype(np.float32)
         return out
 
     def _direction(self, name: str, delta: np.ndarray) -> np.ndarray:
@@ -111,7 +136,8 @@ class ServerOptimizer:
 
     # checkpoint ---------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """What the checkpoint keeps: the optimizer's name, its steps and its moments."""
+        """What the checkpoint keeps: the optimizer's name, its steps (which also set a decayed step
+        size) and its moments."""
         if self.name == "sgd":
             return {"name": "sgd", "steps": self.steps}
         return {"name": self.name, "steps": self.steps, "m": self.m, "v": self.v}

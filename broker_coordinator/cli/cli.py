@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--server-lr", type=_bounded(float, 1e-9, 10.0), default=None,
                      help="the server optimizer's rate (default: 1 for sgd, 1 - --server-momentum for momentum, "
                           "0.01 for adam and yogi, 0.1 for adagrad)")
+    sim.add_argument("--server-lr-decay", type=_bounded(float, 1e-9, 1.0), default=defaults.server_lr_decay,
+                     metavar="GAMMA", help="the server step size is multiplied by GAMMA after each applied step "
+                                           "(default 1: fixed); under DP noise a decaying step ends nearer the optimum")
     sim.add_argument("--server-momentum", type=_bounded(float, 0.0, 0.999), default=defaults.server_momentum)
     sim.add_argument("--beta1", type=_bounded(float, 0.0, 0.999), default=defaults.beta1,
                      help="adam, yogi, adagrad: the first moment's decay")
@@ -249,6 +252,7 @@ ROUND_FLAGS = {
     "max_staleness": "max_staleness", "staleness_weight": "staleness_weight", "downlink": "downlink",
     "downlink_codec": "downlink_codec", "downlink_chain": "downlink_chain", "codec": "codec",
     "aggregator": "aggregator", "server_optimizer": "server_optimizer", "server_lr": "server_lr",
+    "server_lr_decay": "server_lr_decay",
     "server_momentum": "server_momentum", "beta1": "beta1", "beta2": "beta2", "tau": "tau",
 }
 

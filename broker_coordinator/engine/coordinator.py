@@ -365,7 +365,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             self.server_rule.pace(getattr(rnd.aggregate, "damping", 1.0), getattr(rnd.aggregate, "delay", 0.0))
             proposed = self.server_rule.new_global(self.weights, aggregate,
                                                    self.extras.mean() if self.extras is not None else None)
-            self.weights = self.server_optimizer.apply(self.weights, proposed)
+            self.weights = self.server_optimizer.apply(self.weights, proposed, aggregate)
             self.version += 1
             if self.broadcast is not None:  # B follows G at once, so the checkpoint holds both
                 self.broadcast.advance(self._release_tensors(), self.version)

@@ -77,6 +77,7 @@ class RoundSettings:
     # Reddi et al., ICLR 2021): sgd | momentum | adam | yogi | adagrad; sgd at server_lr 1 is the server rule alone
     server_optimizer: str = "sgd"
     server_lr: float | None = None  # None: the optimizer's default (choices.DEFAULT_SERVER_LR)
+    server_lr_decay: float = 1.0  # server_lr is multiplied by this per applied step (round or version); 1 = fixed
     server_momentum: float = 0.9  # momentum: m <- server_momentum * m + step
     beta1: float = 0.9  # adam, yogi, adagrad: the first moment's decay
     beta2: float = 0.99  # adam, yogi: the second moment's decay
@@ -225,6 +226,8 @@ def check_server_optimizer(settings: RoundSettings) -> None:
          f"server_optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {s.server_optimizer!r}"),
         (s.server_lr is None or 0 < s.server_lr <= 10,
          f"server_lr must be in (0, 10] (1 with sgd is the server rule's own step), got {s.server_lr}"),
+        (0 < s.server_lr_decay <= 1, f"server_lr_decay must be in (0, 1] (per applied step; 1 = a fixed "
+                                     f"step), got {s.server_lr_decay}"),
         (0 <= s.server_momentum < 1, f"server_momentum must be in [0, 1), got {s.server_momentum}"),
         (0 <= s.beta1 < 1, f"beta1 must be in [0, 1), got {s.beta1}"),
         (0 <= s.beta2 < 1, f"beta2 must be in [0, 1), got {s.beta2}"),
