@@ -120,6 +120,23 @@ def _round(coordinator, keys, round_no, rng):
     return fold_round(coordinator, answers, round_no)
 
 
+def test_a_top_k_uplink_under_privacy_is_warned_about_and_a_dense_one_is_not(caplog):
+    from broker_coordinator.engine.private_rounds import uplink_advice
+    assert "top-k updates with error feedback" in uplink_advice("topk0.1+q4c64+zlib")
+    assert uplink_advice("float32") == uplink_advice("q8c256+zlib") == uplink_advice("topk1+float32") == ""
+    with caplog.at_level("WARNING", logger="broker_coordinator"):
+        settings = _settings()
+        settings.codec = "topk0.1+q4c64+zlib"
+        _coordinator(settings)
+    assert any("Which uplink" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="broker_coordinator"):
+        settings = _settings()
+        settings.codec = "float32"
+        _coordinator(settings)
+    assert not any("Which uplink" in r.getMessage() for r in caplog.records)
+
+
 def test_every_record_carries_epsilon_and_the_budget_stops_the_round_that_would_exceed_it(tmp_path):
     settings = _settings()
     coordinator, keys = _coordinator(settings, Store(tmp_path / "state"))

@@ -43,7 +43,7 @@ from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
 from broker_coordinator.engine.intake import UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
-from broker_coordinator.engine.private_rounds import PrivateRounds
+from broker_coordinator.engine.private_rounds import PrivateRounds, uplink_advice
 from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState  # noqa: F401 (RoundFailed is imported from here)
@@ -146,6 +146,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
                                      settings.clients_per_round,
                                      settings.buffer_size if settings.mode == "buffered" else 0) \
             if settings.privacy.on else None
+        if self.privacy is not None and (advice := uplink_advice(settings.codec)):
+            log.warning(advice)
         if store:
             self._resume(store)
 

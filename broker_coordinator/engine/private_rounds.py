@@ -41,6 +41,23 @@ from broker_coordinator.settings.privacy_settings import PrivacySettings
 log = logging.getLogger("broker_coordinator")
 
 
+def uplink_advice(codec_name: str) -> str:
+    """The warning for a top-k uplink under central DP ("" for a dense codec). The measurement is in
+    bench/results/privacy.json; the likely reason, not isolated by a run: a top-k update keeps
+    a tenth of a delta and owes the rest to the device's next update (error feedback); with one
+    device in ten sampled per round that residual is many rounds stale when it arrives, it spends
+    the clip on old directions, and the noise, sized to the clip, does not shrink with it. A dense
+    update is clipped whole; quantization noise (q4) inflates a decoded update's norm the same way, so
+    the clip holds less signal (docs/PRIVACY.md, "Which uplink")."""
+    from edgefl_protocol import codec
+    spec = codec.parse(codec_name)
+    if not spec.topk or spec.topk >= 1:
+        return ""
+    return (f"privacy: the uplink codec {codec_name!r} sends top-k updates with error feedback; under central "
+            f"DP that loses accuracy at the same epsilon (docs/PRIVACY.md, \"Which uplink\"): codec = \"float32\" "
+            f"clips each update whole and measured the smallest cost, at about 34x the upload bytes")
+
+
 class BudgetSpent(RoundFailed):
     """The next version would spend more than target_epsilon: no round is opened."""
 
