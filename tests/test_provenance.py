@@ -86,7 +86,8 @@ def at(data, path: str):
 
 KIB = 1 / 1024
 # (doc, claim text with the quoted number as its group, file, JSON path, scale, decimals)
-MOMENTUM_ROW = "1000of10000, server momentum 0.9, serve_average 0.5"  # privacy.json's 1000of10000 row with server momentum
+MOMENTUM_ROW = "1000of10000, server momentum 0.9, serve_average 0.5"
+DENSE_ROW = "1000of10000, float32 uploads, server momentum 0.9, serve_average 0.5"  # the same with float32 uploads  # privacy.json's 1000of10000 row with server momentum
 
 CLAIMS = [
     ("README.md", r"FedAvg's local passes: \+([\d.]+) points", "field.json",
@@ -119,6 +120,10 @@ CLAIMS = [
     *[("README.md", r"learns in 40 rounds \([\d.]+% without privacy, " + r"[\d.]+ / " * i + r"([\d.]+)",
        "privacy.json", f"runs/1000of10000, serve_average 0.5/{eps}/final_accuracy_mean", 100, 2)
       for i, eps in enumerate(("8", "3", "1"))],
+    *[("docs/PRIVACY.md", pattern, "privacy.json", f"runs/{DENSE_ROW}/{eps}/final_accuracy_mean", 100, 2)
+      for pattern, eps in ((r"end at \*\*([\d.]+)%\*\* without privacy and", "none"),
+                           (r"without privacy and\s+\*\*([\d.]+) /", "8"), (r"without privacy and\s+\*\*[\d.]+ / ([\d.]+) /", "3"),
+                           (r"without privacy and\s+\*\*[\d.]+ / [\d.]+ / ([\d.]+)%", "1"))],
     ("README.md", r"MLP reaches\s+([\d.]+)% in one central epoch", "privacy.json", "central_reference/accuracy", 100, 2),
     ("docs/PRIVACY.md", r"scores ([\d.]+)% after one epoch", "privacy.json", "central_reference/accuracy", 100, 2),
     ("README.md", r"takes ([\d.]+)x the\s+time without DP", "privacy.json", "round_seconds/ratio", 1, 2),
