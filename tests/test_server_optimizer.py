@@ -203,11 +203,12 @@ def test_the_delta_downlink_releases_the_optimizers_model(digits):
     assert moved > 0
 
 
-def test_buffered_applies_it_once_per_version(tmp_path, digits):
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_buffered_applies_it_once_per_version(tmp_path, digits, decay):
     from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
     from broker_coordinator.storage.store import model_sha256
     settings = RoundSettings(mode="buffered", buffer_size=2, server_optimizer="momentum",
-                             server_lr=0.5, **SIMPLE)
+                             server_lr=0.5, server_lr_decay=decay, **SIMPLE)
     c = BufferedCoordinator(FED, ARCH, digits.test, settings, store=Store(tmp_path), device_keys=KEYS)
     x0 = {n: a.copy() for n, a in c.weights.items()}
     expected_m = 0.0
@@ -223,7 +224,8 @@ def test_buffered_applies_it_once_per_version(tmp_path, digits):
         expected_m = 0.9 * expected_m + sum(values.values()) / 2
         assert c.server_optimizer.steps == version
     for n in x0:
-        np.testing.assert_allclose(c.weights[n], x0[n] + 0.5 * 0.02 + 0.5 * expected_m, atol=1e-6)
+        # version 2's step is taken at 0.5 * decay (the decay counts applied versions)
+        np.testing.assert_allclose(c.weights[n], x0[n] + 0.5 * 0.02 + 0.5 * decay * expected_m, atol=1e-6)
     c.close()
 
 
@@ -234,8 +236,11 @@ def _reattempt(payload: bytes, device: str, attempt: int) -> bytes:
     return messages.encode_update(update, KEYS[device])
 
 
-def test_sites_apply_it_as_the_flat_coordinator_does(digits):
-    settings = RoundSettings(server_optimizer="yogi", server_lr=0.05, **SIMPLE)
+@pytest.mark.parametrize("server", [dict(server_optimizer="yogi", server_lr=0.05),
+                                    dict(server_optimizer="momentum", server_lr=0.5, server_lr_decay=0.5)],
+                         ids=["yogi", "momentum-decaying"])
+def test_sites_apply_it_as_the_flat_coordinator_does(digits, server):
+    settings = RoundSettings(**server, **SIMPLE)
     keys = {f"{s}-{i}": signing.new_key() for s in ("north", "south") for i in range(2)}
     site_keys = {s: signing.new_key() for s in ("north", "south")}
     flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
