@@ -26,9 +26,10 @@ correction (their Algorithm 2 has none). Parameters, [rounds] keys with their de
 "sgd"; server_lr eta (unset: 1.0 for sgd, 1 - mu for momentum, 0.01 for adam and yogi, 0.1 for
 adagrad: `RoundSettings.server_step_size`); server_momentum mu 0.9; beta1 b1 0.9; beta2 b2 0.99;
 tau 1e-3; server_lr_decay gamma 1: the step t (0 = the first) is taken at eta * gamma^t, as the clients'
-lr_decay shrinks theirs per round. A step that shrinks is what ends in a model rather than a noise
-ball when every round's aggregate carries noise (DP's Gaussian noise, a cohort's sampling): with a
-fixed step the iterate keeps wandering by a distance proportional to it (docs/PRIVACY.md).
+lr_decay shrinks theirs per round. When every aggregate carries noise (DP's Gaussian noise, a
+cohort's sampling) a fixed step leaves the model wandering by a distance that grows with the step;
+a shrinking one narrows that, at the price of slower progress (on the private 1,000-of-10,000 cohort,
+still climbing at round 40, 0.97 lost: docs/PRIVACY.md, "Which uplink").
 sgd with eta 1 and gamma 1 returns x' itself: the server rule alone, bit for bit.
 
 The engine applies it once per applied model: per round (sync, flat or in sites) and per version

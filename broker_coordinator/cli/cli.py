@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "0.01 for adam and yogi, 0.1 for adagrad)")
     sim.add_argument("--server-lr-decay", type=_bounded(float, 1e-9, 1.0), default=defaults.server_lr_decay,
                      metavar="GAMMA", help="the server step size is multiplied by GAMMA after each applied step "
-                                           "(default 1: fixed); under DP noise a decaying step ends nearer the optimum")
+                                           "(default 1: fixed); a decaying step settles a noisy federation, and slows it")
     sim.add_argument("--server-momentum", type=_bounded(float, 0.0, 0.999), default=defaults.server_momentum)
     sim.add_argument("--beta1", type=_bounded(float, 0.0, 0.999), default=defaults.beta1,
                      help="adam, yogi, adagrad: the first moment's decay")
