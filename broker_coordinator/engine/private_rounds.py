@@ -37,6 +37,7 @@ from broker_coordinator.aggregation.privacy import (
 from broker_coordinator.aggregation.private_partials import PrivateTreeSum, SitePrivacy
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.settings.privacy_settings import PrivacySettings
+from edgefl_protocol import codec
 
 log = logging.getLogger("broker_coordinator")
 
@@ -48,13 +49,12 @@ def uplink_advice(codec_name: str) -> str:
     device in ten sampled per round that residual is many rounds stale when it arrives, it spends
     the clip on old directions, and the noise, sized to the clip, does not shrink with it. A dense
     update is clipped whole (docs/PRIVACY.md, "Which uplink")."""
-    from edgefl_protocol import codec
-    spec = codec.parse(codec_name)
-    if not spec.topk or spec.topk >= 1:
+    topk = codec.parse(codec_name).topk
+    if not 0 < topk < 1:
         return ""
     return (f"privacy: the uplink codec {codec_name!r} sends top-k updates with error feedback; under central "
             f"DP that loses accuracy at the same epsilon (docs/PRIVACY.md, \"Which uplink\"): codec = \"float32\" "
-            f"clips each update whole and cost 1.4 points less at epsilon 8, at about 34x the upload bytes")
+            f"clips each update whole and cost less there, at many times the upload bytes")
 
 
 class BudgetSpent(RoundFailed):
