@@ -13,9 +13,12 @@ RUNS = RESULTS / "attacks_runs"
 FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "geomed": {"aggregator": "geomed"}, "trimmed_mean": {"aggregator": "trimmed_mean"},
                          "median": {"aggregator": "median"},
-                         # the default fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
+                         # the default fold without its kinship check (aggregation/consensus.py): the default
+                         # before it shipped
+                         "centered_clip-kinship0": {"kinship": 0.0},
+                         # that fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
                          # where 40% of the round's updates agree on its sign
-                         "centered_clip+votes": {"sign_quorum": 0.4}}  # name -> RoundSettings overrides
+                         "centered_clip+votes-kinship0": {"sign_quorum": 0.4, "kinship": 0.0}}  # name -> overrides
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
@@ -99,11 +102,13 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
             for p, by_run in grouped.items()}
     commits = sorted({r["commit"] for by_run in grouped.values() for cells in by_run.values()
                       for rs in cells.values() for r in rs})
-    settings = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in ("aggregator", "topology")}
+    varied = ("aggregator", "topology", "kinship")
+    settings = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in varied}
     out = {"measured_with": provenance.measured_with(
         provenance.invoked(), settings, describes="defaults",
         varies={"aggregator": [provenance.deciding(RoundSettings(**FOLDS[f]))["aggregator"] for f in folds],
                 "sign_quorum": [RoundSettings(**FOLDS[f]).sign_quorum for f in folds],
+                "kinship": [RoundSettings(**FOLDS[f]).kinship for f in folds],
                 "topology": ["flat", "sites"]},
         run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),
         rounds=sorted({j[4] for j in jobs}), clients_per_round=10, round_timeout=ROUND_TIMEOUT,

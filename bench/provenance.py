@@ -18,6 +18,7 @@ with what ships today, key by key:
     aggregator    the coordinator's fold (broker_coordinator/aggregation/robust.py)
     weighting     what a device's sample count may weigh (broker_coordinator/aggregation/trust.py)
     norm_bound    deltas clipped to this times the median recent norm; 0 = off
+    kinship       centered_clip's kinship threshold (aggregation/consensus.py); 0 = off
     mode          "sync" or "buffered"
     topology      "flat" or "sites"
     server_optimizer  the server optimizer (sgd | momentum | adam | yogi | adagrad)
@@ -59,6 +60,7 @@ def deciding(rounds: Any, topology: str = "flat") -> dict[str, Any]:
         "aggregator": rounds.aggregator,
         "weighting": rounds.weighting,
         "norm_bound": rounds.norm_bound,
+        "kinship": rounds.kinship,
         "mode": rounds.mode,
         "topology": topology,
         "server_optimizer": rounds.server_optimizer,

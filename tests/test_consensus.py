@@ -7,6 +7,7 @@ import pytest
 from broker_coordinator.aggregation.consensus import (
     CHUNK,
     FLAG_COST,
+    KIN_MIN_ROUNDS,
     MIN_JUDGED,
     WINDOW,
     Consensus,
@@ -14,6 +15,7 @@ from broker_coordinator.aggregation.consensus import (
     disagreeing,
     median_cosines,
 )
+from broker_coordinator.aggregation import consensus as consensus_module
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
 
@@ -119,3 +121,57 @@ def test_median_cosines_in_chunks_match_the_whole_matrix_across_chunk_boundaries
     whole = unit @ unit.T
     np.fill_diagonal(whole, np.nan)
     np.testing.assert_allclose(median_cosines(sketches), np.nanmedian(whole, axis=1), atol=1e-6)
+
+
+def _kin_round(rng, own: np.ndarray, goal: np.ndarray, accomplices: int) -> dict[str, np.ndarray]:
+    """Non-IID honest devices: the task, each device's own lasting direction (its data) and noise.
+    Accomplices look like honest devices but all add one hidden goal (a backdoor, a shared label flip)."""
+    task = rng.standard_normal(SIZE)
+    out = {f"h{i}": task + 1.5 * own[i] + 2 * rng.standard_normal(SIZE) for i in range(len(own))}
+    out |= {f"k{i}": task + 1.5 * goal + 2 * rng.standard_normal(SIZE) for i in range(accomplices)}
+    return out
+
+
+def test_accomplices_are_kin_from_their_third_judged_update_and_honest_non_iid_devices_are_not():
+    rng = np.random.default_rng(5)
+    own, goal = rng.standard_normal((8, SIZE)), rng.standard_normal(SIZE)
+    consensus = Consensus(kinship=0.4)
+    for round_no in range(1, 9):
+        updates = _kin_round(rng, own, goal, accomplices=2)
+        assert disagreeing(updates) == {}  # the round's median sees nothing wrong with them
+        consensus.judge(updates)
+        assert set(consensus.kin) == (set() if round_no < KIN_MIN_ROUNDS else {"k0", "k1"})
+    assert consensus.kin["k0"][0] == "k1"
+    assert consensus.of("k0") == MIN_STANDING and consensus.of("h0") == 1.0
+
+
+def test_kinship_zero_turns_the_flag_off_and_a_lone_attacker_has_no_kin():
+    rng = np.random.default_rng(6)
+    own, goal = rng.standard_normal((8, SIZE)), rng.standard_normal(SIZE)
+    off, lone = Consensus(kinship=0.0), Consensus()
+    for _ in range(6):
+        off.judge(_kin_round(rng, own, goal, accomplices=2))
+        lone.judge(_kin_round(rng, own, goal, accomplices=1))
+        assert off.kin == {} and off.flags == {}
+        assert lone.kin == {}
+
+
+def test_paths_survive_a_checkpoint_and_the_least_recently_judged_are_forgotten(monkeypatch):
+    from edgefl_protocol.persist import pack, unpack
+
+    monkeypatch.setattr(consensus_module, "MAX_PATHS", 9)
+    rng = np.random.default_rng(7)
+    own, goal = rng.standard_normal((8, SIZE)), rng.standard_normal(SIZE)
+    consensus = Consensus()
+    for _ in range(KIN_MIN_ROUNDS):
+        consensus.judge(_kin_round(rng, own, goal, accomplices=2))
+    assert len(consensus.paths) == 9 and "h0" not in consensus.paths  # judged first in its round: forgotten
+    again = Consensus()
+    again.load_state(unpack(pack(consensus.state())))
+    assert list(again.judged) == list(consensus.judged)
+    for device, path in consensus.paths.items():
+        np.testing.assert_allclose(again.paths[device], path, rtol=1e-2, atol=1e-2)
+    update = _kin_round(rng, own, goal, accomplices=2)
+    consensus.judge(update)
+    again.judge(update)
+    assert set(again.kin) == set(consensus.kin)

@@ -72,6 +72,15 @@ class RoundRecords:
             rnd.device_metrics.setdefault(device, {})["disagreed"] = f"median cosine {cosine:.3f}"
         if disagreeing:
             clipped["disagreed"] = len(disagreeing)
+        kin = self.consensus.kin if getattr(rnd.aggregate, "consensus", None) is self.consensus else {}
+        for device, (closest, cosine) in kin.items():
+            log.warning("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): its "
+                        "weight from its next update on is %.2f of its claim", rnd.number, device, closest,
+                        cosine, self.consensus.of(device))
+            self.metrics.bounded.labels("kin").inc()
+            rnd.device_metrics.setdefault(device, {})["kin"] = f"{closest} (path cosine {cosine:.3f})"
+        if kin:
+            clipped["kin"] = len(kin)
         for device, cosine in rnd.aggregate.gated.items():
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)

@@ -84,7 +84,7 @@ from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",
-               "sign_quorum")
+               "sign_quorum", "kinship")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -321,6 +321,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             self.radius = NormBound(rules.get("norm_bound", 1.5) or 1.5)
         rules.setdefault("aggregator", "mean")  # a coordinator from before the centre was sent
         self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
+        self.consensus.kinship = self.settings.kinship
         try:
             center = decode_center(site_task, self.specs)
         except Rejected as exc:
@@ -371,6 +372,12 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             clipped["center"] = len(rnd.aggregate.centered)
         if disagreeing := getattr(rnd.aggregate, "disagreeing", None):
             clipped["disagreed"] = len(disagreeing)
+        if getattr(rnd.aggregate, "consensus", None) is self.consensus and self.consensus.kin:
+            clipped["kin"] = len(self.consensus.kin)
+            for device, (closest, cosine) in self.consensus.kin.items():
+                log.warning("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): "
+                            "it weighs %.2f from its next update on", rnd.number, device, closest, cosine,
+                            self.consensus.of(device))
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,

@@ -10,6 +10,7 @@ from broker_coordinator.settings import composition
 from broker_coordinator.settings.choices import (
     AGGREGATORS,
     DEFAULT_AGGREGATOR,
+    DEFAULT_KINSHIP,
     EVALUATE_MODES,
     MODES,
     POLICIES,
@@ -60,6 +61,9 @@ class RoundSettings:
     # streaming folds: a coordinate moves only where at least this fraction of the round's updates agree on
     # its sign (net votes); 0 = off (robust learning rate, Ozdayi et al., AAAI 2021; see aggregation/votes.py)
     sign_quorum: float = 0.0
+    # centered_clip: flag a device whose updates depart from their rounds the way another device's do
+    # (colluders, backdoors) when the cosine of their paths exceeds this; 0 = off (aggregation/consensus.py)
+    kinship: float = DEFAULT_KINSHIP
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     # where the global model is evaluated: "central" (the coordinator's test set), "devices" (each selected
@@ -115,6 +119,8 @@ class RoundSettings:
             (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
             (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
             (0 <= self.sign_quorum < 1, "sign_quorum must be in [0, 1) (0 = off)"),
+            (0 <= self.kinship < 1, "kinship must be in [0, 1) (the path cosine above which a device is flagged; "
+                                    "0 = off)"),
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
