@@ -13,12 +13,11 @@ RUNS = RESULTS / "attacks_runs"
 FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "geomed": {"aggregator": "geomed"}, "trimmed_mean": {"aggregator": "trimmed_mean"},
                          "median": {"aggregator": "median"},
-                         # the default fold without its kinship check (aggregation/consensus.py): the default
-                         # before it shipped
-                         "centered_clip-kinship0": {"kinship": 0.0},
-                         # that fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
+                         # the default fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
                          # where 40% of the round's updates agree on its sign
-                         "centered_clip+votes-kinship0": {"sign_quorum": 0.4, "kinship": 0.0}}  # name -> overrides
+                         "centered_clip+votes": {"sign_quorum": 0.4},
+                         # the default fold with its opt-in kinship flag (aggregation/consensus.py)
+                         "centered_clip+kinship0.4": {"kinship": 0.4}}  # name -> RoundSettings overrides
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")

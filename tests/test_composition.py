@@ -10,6 +10,7 @@ import pytest
 
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.config import load_config
+from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol.settings import ConfigError
 
@@ -50,3 +51,14 @@ def test_every_rule_is_listed_in_the_architecture_doc():
         for word in re.findall(r"[a-z_]+", rule.combination):
             if len(word) > 3 and word not in ("with", "topology", "mode", "algorithm", "aggregator", "duals"):
                 assert word in row, f"{rule.combination}: {word!r} is not in the doc's row {row!r}"
+
+
+def test_kinship_runs_only_as_centered_clip_s_stage_and_never_under_central_privacy():
+    for topology in composition.TOPOLOGIES:
+        for mode in ("sync", "buffered"):
+            assert composition.refusals(RoundSettings(kinship=0.4, mode=mode, algorithm="fedavg"), topology) == []
+    with pytest.raises(ValueError, match=r'kinship \+ aggregator .* is refused \(not built.*set kinship = 0, or aggregator = "centered_clip"'):
+        composition.check(RoundSettings(kinship=0.4, aggregator="mean"))
+    private = RoundSettings(kinship=0.4, algorithm="fedavg", privacy=PrivacySettings(mode="central", noise_multiplier=1.0))
+    with pytest.raises(ValueError, match=r"privacy central \+ kinship is refused \(mathematical"):
+        composition.check(private)

@@ -148,7 +148,7 @@ def test_accomplices_are_kin_from_their_third_judged_update_and_honest_non_iid_d
 def test_kinship_zero_turns_the_flag_off_and_a_lone_attacker_has_no_kin():
     rng = np.random.default_rng(6)
     own, goal = rng.standard_normal((8, SIZE)), rng.standard_normal(SIZE)
-    off, lone = Consensus(kinship=0.0), Consensus()
+    off, lone = Consensus(kinship=0.0), Consensus(kinship=0.4)
     for _ in range(6):
         off.judge(_kin_round(rng, own, goal, accomplices=2))
         lone.judge(_kin_round(rng, own, goal, accomplices=1))
@@ -162,11 +162,11 @@ def test_paths_survive_a_checkpoint_and_the_least_recently_judged_are_forgotten(
     monkeypatch.setattr(consensus_module, "MAX_PATHS", 9)
     rng = np.random.default_rng(7)
     own, goal = rng.standard_normal((8, SIZE)), rng.standard_normal(SIZE)
-    consensus = Consensus()
+    consensus = Consensus(kinship=0.4)
     for _ in range(KIN_MIN_ROUNDS):
         consensus.judge(_kin_round(rng, own, goal, accomplices=2))
     assert len(consensus.paths) == 9 and "h0" not in consensus.paths  # judged first in its round: forgotten
-    again = Consensus()
+    again = Consensus(kinship=0.4)
     again.load_state(unpack(pack(consensus.state())))
     assert list(again.judged) == list(consensus.judged)
     for device, path in consensus.paths.items():

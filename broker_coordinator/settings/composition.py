@@ -100,6 +100,14 @@ RULES: tuple[Rule, ...] = (
          "whether a coordinate moves depends on the other devices' votes of the same round, so one device can "
          "switch a coordinate of the whole aggregate on or off: beyond the clip C the noise covers",
          lambda s, t: _private(s) and s.sign_quorum > 0, "sign_quorum = 0"),
+    Rule('kinship + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
+         "the kinship flag is a stage of centered_clip's consensus (aggregation/consensus.py), which the other "
+         "folds do not keep",
+         lambda s, t: s.kinship > 0 and s.aggregator != "centered_clip", 'kinship = 0, or aggregator = "centered_clip"'),
+    Rule('privacy central + kinship', "mathematical",
+         "a device is flagged when its path is like another device's, so one device's updates can cut another's "
+         "weight: beyond the clip C the noise covers",
+         lambda s, t: _private(s) and s.kinship > 0, "kinship = 0"),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

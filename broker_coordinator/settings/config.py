@@ -42,8 +42,8 @@
     aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median | geomed
     sign_quorum = 0.0                    # > 0: a parameter moves only where this share of a round's updates agree
                                          # on its sign (against backdoors; costs accuracy on small models: RESEARCH.md)
-    kinship = 0.4                        # centered_clip: flag devices whose updates depart from their rounds alike
-                                         # (path cosine above this; colluders, backdoors); 0 = off
+    kinship = 0.0                        # centered_clip: > 0 (0.4 measured) flags devices whose updates depart alike
+                                         # (path cosine above this); off: it stopped no backdoor (RESEARCH.md)
     serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)
 
     [privacy]                            # user-level differential privacy (settings/privacy_settings.py)

@@ -1,0 +1,90 @@
+"""The opt-in kinship flag (aggregation/consensus.py) through the engine: the coordinator's rounds
+and a site's worker each flag the accomplices among their own devices, say so in the round record
+and the partial, and carry the paths through a checkpoint. No broker: the signed payloads go
+through the same intake and fold as over MQTT (simulation/in_memory.py)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from broker_coordinator.aggregation.consensus import KIN_MIN_ROUNDS
+from broker_coordinator.aggregation.partials import SiteTask, encode_center
+from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
+from broker_coordinator.simulation.in_memory import fold_round
+from edgefl_protocol import codec, messages, signing
+from models import datasets
+
+FED, ARCH = "test", "digits_mlp"
+HONEST, ACCOMPLICES = [f"h{i}" for i in range(8)], ["k0", "k1"]
+SETTINGS = RoundSettings(algorithm="fedavg", codec="float32", weighting="uniform", norm_bound=0, round_timeout=60,
+                         kinship=0.4)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return datasets.load("digits")
+
+
+class Fleet:
+    """Non-IID honest devices (the task, each one's own lasting direction, noise) and two accomplices
+    that look as honest but all add one hidden goal: the round's median sees nothing wrong with them."""
+
+    def __init__(self, specs: dict, seed: int = 3) -> None:
+        self.specs, self.rng = specs, np.random.default_rng(seed)
+        self.own = {d: self._draw() for d in HONEST}
+        self.goal = self._draw()
+        self.keys = {d: signing.new_key() for d in HONEST + ACCOMPLICES}
+
+    def _draw(self) -> dict[str, np.ndarray]:
+        return {n: self.rng.standard_normal(s).astype(np.float32) for n, s in self.specs.items()}
+
+    def round(self, round_no: int, version: int = 0) -> dict[str, bytes]:
+        task = self._draw()
+        out = {}
+        for device in HONEST + ACCOMPLICES:
+            lasting = self.own.get(device, self.goal)
+            noise = self._draw()
+            tensors = {n: 0.01 * (task[n] + 1.5 * lasting[n] + 2 * noise[n]) for n in self.specs}
+            encoded = codec.encode(tensors, "float32")
+            update = messages.Update(device, round_no, version, 50, {"steps": 1}, encoded.body, encoded.codec,
+                                     encoded.specs, FED, 1)
+            out[device] = messages.encode_update(update, self.keys[device])
+        return out
+
+
+def test_the_coordinator_flags_accomplices_from_their_third_round_and_keeps_them_through_a_checkpoint(digits):
+    coordinator = Coordinator(FED, ARCH, digits.test, SETTINGS, device_keys={})
+    fleet = Fleet(coordinator.specs)
+    coordinator.device_keys = dict(fleet.keys)
+    for round_no in range(1, KIN_MIN_ROUNDS + 2):
+        record = fold_round(coordinator, fleet.round(round_no, coordinator.version), round_no)
+        kin = {d for d, m in record.devices.items() if "kin" in m}
+        assert kin == (set() if round_no < KIN_MIN_ROUNDS else set(ACCOMPLICES)), round_no
+        assert record.clipped.get("kin", 0) == len(kin)
+    assert coordinator.consensus.of("k0") < 1 and coordinator.consensus.of("h0") == 1.0
+    restored = Coordinator(FED, ARCH, digits.test, SETTINGS, device_keys=dict(fleet.keys))
+    restored.consensus.load_state(coordinator.consensus.state())
+    assert set(restored.consensus.paths) == set(HONEST + ACCOMPLICES)
+
+
+def test_a_site_flags_the_accomplices_among_its_own_devices(digits):
+    fleet = Fleet(Coordinator(FED, ARCH, digits.test, SETTINGS).specs)
+    site_key = signing.new_key()
+    worker = SiteWorker(FED, "north", ARCH, site_key, dict(fleet.keys))
+    center = {n: np.zeros(s, np.float32) for n, s in fleet.specs.items()}
+    for round_no in range(1, KIN_MIN_ROUNDS + 1):
+        task = messages.Task(round_no, 0, time.time() + 60, "fedavg", SETTINGS.task_hparams(round_no), {},
+                             "float32", 1)
+        site_task = SiteTask(round_no, 1, 0, messages.encode("task", task), site_rules(SETTINGS),
+                             *encode_center(center))
+        rnd = worker._open(site_task, task, set(fleet.keys))
+        for device, payload in fleet.round(round_no).items():
+            worker._on_update(rnd, device, payload, time.time())
+        partial = worker.partial(rnd)
+        assert worker.consensus.kinship == SETTINGS.kinship
+    assert partial.clipped.get("kin") == len(ACCOMPLICES)
+    assert set(worker.consensus.kin) == set(ACCOMPLICES)
