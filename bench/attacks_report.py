@@ -17,7 +17,10 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          # where 40% of the round's updates agree on its sign
                          "centered_clip+votes": {"sign_quorum": 0.4},
                          # the default fold with its opt-in kinship flag (aggregation/consensus.py)
-                         "centered_clip+kinship0.4": {"kinship": 0.4}}  # name -> RoundSettings overrides
+                         "centered_clip+kinship0.4": {"kinship": 0.4},
+                         # the round's flags reach its own updates (aggregation/banks.py), with and without kinship
+                         "centered_clip+banks8": {"verdict_banks": 8},
+                         "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4}}  # name -> overrides
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
@@ -101,13 +104,14 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
             for p, by_run in grouped.items()}
     commits = sorted({r["commit"] for by_run in grouped.values() for cells in by_run.values()
                       for rs in cells.values() for r in rs})
-    varied = ("aggregator", "topology", "kinship")
+    varied = ("aggregator", "topology", "kinship", "verdict_banks")
     settings = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in varied}
     out = {"measured_with": provenance.measured_with(
         provenance.invoked(), settings, describes="defaults",
         varies={"aggregator": [provenance.deciding(RoundSettings(**FOLDS[f]))["aggregator"] for f in folds],
                 "sign_quorum": [RoundSettings(**FOLDS[f]).sign_quorum for f in folds],
                 "kinship": [RoundSettings(**FOLDS[f]).kinship for f in folds],
+                "verdict_banks": [RoundSettings(**FOLDS[f]).verdict_banks for f in folds],
                 "topology": ["flat", "sites"]},
         run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),
         rounds=sorted({j[4] for j in jobs}), clients_per_round=10, round_timeout=ROUND_TIMEOUT,

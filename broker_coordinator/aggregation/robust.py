@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from broker_coordinator.aggregation.banks import VerdictBanks
 from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
@@ -104,11 +105,12 @@ class RobustRound:
                  trim: float = 0.2, normalize_steps: bool = False,
                  reference: Callable[[list[str]], np.ndarray] | None = None,
                  center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None,
-                 consensus: Consensus | None = None, sign_quorum: float = 0.0) -> None:
+                 consensus: Consensus | None = None, sign_quorum: float = 0.0, verdict_banks: int = 0) -> None:
         """`reference(names)`, if given, is gated_mean's direction (flattened in the order of `names`)
         instead of the round's coordinate-wise median (see `reference.py`). `center`, `radius` and
         `consensus` are centered_clip's centre (None: none yet), the adaptive radius' history and the
-        devices' standing by agreement with their rounds (see `consensus.py`)."""
+        devices' standing by agreement with their rounds (see `consensus.py`); `verdict_banks` > 0 lets
+        that verdict act on the round's own updates too (see `banks.py`)."""
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
         self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
@@ -118,6 +120,10 @@ class RobustRound:
         self.radius = radius if radius is not None else NormBound(bound.multiplier or 1.5)
         self.consensus = (consensus if consensus is not None else Consensus()) if aggregator == "centered_clip" else None
         self.sketches: dict[str, np.ndarray] = {}  # centered_clip: device -> sketch of its bounded delta
+        # centered_clip: the inside updates in partial sums, so that the round's flags reach its own updates
+        self.banks = (VerdictBanks(specs, verdict_banks, normalize_steps)
+                      if verdict_banks > 0 and self.consensus is not None else None)
+        self.held_back: dict[str, float] = {}  # device -> its bank's scale, for the updates a flag held back
         self.disagreeing: dict[str, float] | None = None  # device -> median cosine, once the round is judged
         # fixed for the round, so the fold does not depend on the order updates arrive in, and a site
         # given the same history clips exactly as the centre would (None: too few distances known yet)
@@ -172,7 +178,7 @@ class RobustRound:
         if self.center is None:
             if agreement < 1:
                 self.discounted[device] = agreement
-            self.stream.add(delta, weight * agreement, steps)
+            self._inside(device, delta, weight * agreement, steps)
             return
         # from earlier rounds: the fold keeps its order
         standing = max(self.radius.standing.get(device, 1.0) * agreement, MIN_STANDING)
@@ -182,7 +188,16 @@ class RobustRound:
         outside = self.centered.get(device)
         if self.tau is not None:
             self.radius.stand(device, outside[1] / outside[0] if outside else 1.0)
-        (self.outliers if outside else self.stream).add(centered, weight * standing, steps)
+        if outside:
+            self.outliers.add(centered, weight * standing, steps)
+        else:
+            self._inside(device, centered, weight * standing, steps)
+
+    def _inside(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int) -> None:
+        if self.banks is not None:
+            self.banks.add(device, delta, weight, steps)
+        else:
+            self.stream.add(delta, weight, steps)
 
     def _clip(self, device: str, delta: Mapping[str, np.ndarray], norm: float,
               bound: float | None) -> Mapping[str, np.ndarray]:
@@ -276,10 +291,13 @@ class RobustRound:
             raise ValueError(f"only the streaming folds ({', '.join(STREAMING)}) reduce to sums, "
                              f"not {self.aggregator!r}")
         self._flush_held()
-        self._settle_outliers()
         if self.consensus is not None and self.disagreeing is None:
             self.disagreeing = self.consensus.judge(self.sketches)
             self.sketches = {}
+        if self.banks is not None:
+            self.held_back = self.banks.settle(self.stream, set(self.disagreeing or ()) | set(self.consensus.kin))
+            self.banks = None
+        self._settle_outliers()
         return self.stream
 
     def _settle_outliers(self) -> None:

@@ -340,7 +340,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         return Round(round_no, attempt, cohort, deadline, self.version, self.privacy.fold(self.specs) if self.privacy
                      else RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
                                  self._reference(round_no), self.center, self.radius, self.consensus,
-                                 s.sign_quorum))
+                                 s.sign_quorum, s.verdict_banks))
 
     def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
         if self.settings.reference == "median" or self.root_set is None:

@@ -81,6 +81,14 @@ class RoundRecords:
             rnd.device_metrics.setdefault(device, {})["kin"] = f"{closest} (path cosine {cosine:.3f})"
         if kin:
             clipped["kin"] = len(kin)
+        held_back = getattr(rnd.aggregate, "held_back", None) or {}
+        for device, scale in held_back.items():
+            log.warning("round %d: update from %s folded at %.2f of its weight: its partial sum holds an update "
+                        "this round flagged (verdict_banks)", rnd.number, device, scale)
+            self.metrics.bounded.labels("held_back").inc()
+            rnd.device_metrics.setdefault(device, {})["held_back"] = f"{scale:.2f}"
+        if held_back:
+            clipped["held_back"] = len(held_back)
         for device, cosine in rnd.aggregate.gated.items():
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)

@@ -84,7 +84,7 @@ from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",
-               "sign_quorum", "kinship")
+               "sign_quorum", "kinship", "verdict_banks")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -341,7 +341,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                     privacy.fold(self.specs) if privacy else
                     RobustRound(self.specs, self.norm_bound, self.settings.aggregator,
                                 normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius,
-                                consensus=self.consensus, sign_quorum=self.settings.sign_quorum),
+                                consensus=self.consensus, sign_quorum=self.settings.sign_quorum,
+                                verdict_banks=self.settings.verdict_banks),
                     train=task.train)
         rnd.move(RoundState.COLLECTING)
         return rnd
@@ -378,6 +379,8 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                 log.warning("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): "
                             "it weighs %.2f from its next update on", rnd.number, device, closest, cosine,
                             self.consensus.of(device))
+        if held_back := getattr(rnd.aggregate, "held_back", None):
+            clipped["held_back"] = len(held_back)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,

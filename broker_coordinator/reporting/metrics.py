@@ -21,7 +21,8 @@ class Metrics:
         self.bounded = Counter("edgefl_updates_bounded", "Accepted updates the server bounded: weight clipped, "
                                "norm clipped, clipped towards the centre, left out for their direction, or "
                                "disagreeing with their round or departing from it like another device (kin; the device weighs "
-                               "less from then on)", ["how"], registry=r)
+                               "less from then on), or held back with a flagged update's partial sum (held_back)",
+                               ["how"], registry=r)
         self.bytes_up = Counter("edgefl_update_bytes", "Bytes of accepted updates received", registry=r)
         self.round_seconds = Histogram("edgefl_round_duration_seconds", "Wall time per round", registry=r,
                                        buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))

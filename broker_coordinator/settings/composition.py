@@ -108,6 +108,15 @@ RULES: tuple[Rule, ...] = (
          "a device is flagged when its path is like another device's, so one device's updates can cut another's "
          "weight: beyond the clip C the noise covers",
          lambda s, t: _private(s) and s.kinship > 0, "kinship = 0"),
+    Rule('verdict_banks + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
+         "the banks hold back what centered_clip's consensus flags (aggregation/banks.py); the other folds flag "
+         "nothing",
+         lambda s, t: s.verdict_banks > 0 and s.aggregator != "centered_clip",
+         'verdict_banks = 0, or aggregator = "centered_clip"'),
+    Rule('privacy central + verdict_banks', "mathematical",
+         "a bank is held back when another device's update in it is flagged, which depends on the other "
+         "updates of the round: beyond the clip C the noise covers",
+         lambda s, t: _private(s) and s.verdict_banks > 0, "verdict_banks = 0"),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

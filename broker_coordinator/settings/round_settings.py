@@ -64,6 +64,10 @@ class RoundSettings:
     # centered_clip: flag a device whose updates depart from their rounds the way another device's do
     # (colluders, backdoors) when the cosine of their paths exceeds this; 0 = off (aggregation/consensus.py)
     kinship: float = DEFAULT_KINSHIP
+    # centered_clip: fold the round's updates into this many partial sums, so that its flags reach its own
+    # updates (a flagged update's sum at 5%); memory this x model; 0 = flags act from the next update on
+    # (aggregation/banks.py)
+    verdict_banks: int = 0
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
     # where the global model is evaluated: "central" (the coordinator's test set), "devices" (each selected
@@ -121,6 +125,8 @@ class RoundSettings:
             (0 <= self.sign_quorum < 1, "sign_quorum must be in [0, 1) (0 = off)"),
             (0 <= self.kinship < 1, "kinship must be in [0, 1) (the path cosine above which a device is flagged; "
                                     "0 = off)"),
+            (isinstance(self.verdict_banks, int) and 0 <= self.verdict_banks <= 64,
+             "verdict_banks must be an integer from 0 (off) to 64 (partial sums of the model a round keeps)"),
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
                                           "average of global models; 0 = serve the last global model)"),
