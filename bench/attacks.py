@@ -1,7 +1,7 @@
 """Attack benchmark (a benchmark, not a test): a fraction of enrolled devices send signed,
 well-formed, malicious updates, against what ships, flat and in sites.
 
-    python -m bench.attacks              # the grid (about 50 minutes with --jobs 2 on 2 cores; see SIZE below)
+    python -m bench.attacks              # the grid (about 2 hours with --jobs 2 on 2 cores, 20 minutes a full fold)
     python -m bench.attacks --quick      # a smoke run: one partition, 3 rounds, 3 runs, one seed
     python -m bench.attacks --report     # rebuild attacks.json / attacks.md / attacks.png from cached runs
 
