@@ -1,6 +1,7 @@
-"""The opt-in kinship flag (aggregation/consensus.py) through the engine: the coordinator's rounds
-and a site's worker each flag the accomplices among their own devices, say so in the round record
-and the partial, and carry the paths through a checkpoint. No broker: the signed payloads go
+"""The opt-in kinship flag (aggregation/consensus.py) and verdict banks (aggregation/banks.py)
+through the engine: the coordinator's rounds and a site's worker each flag the accomplices among
+their own devices, say so in the round record and the partial, and carry the paths through a
+checkpoint; a flagged update is held back in its own round at a site and in a buffered version. No broker: the signed payloads go
 through the same intake and fold as over MQTT (simulation/in_memory.py)."""
 
 from __future__ import annotations
@@ -88,3 +89,53 @@ def test_a_site_flags_the_accomplices_among_its_own_devices(digits):
         assert worker.consensus.kinship == SETTINGS.kinship
     assert partial.clipped.get("kin") == len(ACCOMPLICES)
     assert set(worker.consensus.kin) == set(ACCOMPLICES)
+
+
+def _flipped_round(specs: dict, keys: dict, round_no: int, version: int, own_tasks: bool = False,
+                   seed: int = 4) -> dict[str, bytes]:
+    """Honest devices around one task, and k0 sending -3x it: the round's median flags k0. `own_tasks`:
+    each device answers its own task (buffered: attempts 1, 2, ...)."""
+    rng = np.random.default_rng(seed)
+    task = {n: rng.standard_normal(s).astype(np.float32) for n, s in specs.items()}
+    out = {}
+    for attempt, device in enumerate(HONEST + ["k0"], start=1):
+        tensors = ({n: -0.03 * task[n] for n in specs} if device == "k0" else
+                   {n: 0.01 * (task[n] + 0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in specs.items()})
+        encoded = codec.encode(tensors, "float32")
+        update = messages.Update(device, round_no, version, 50, {"steps": 1}, encoded.body, encoded.codec,
+                                 encoded.specs, FED, attempt if own_tasks else 1)
+        out[device] = messages.encode_update(update, keys[device])
+    return out
+
+
+@pytest.mark.parametrize("where", ["site", "buffered"])
+def test_verdict_banks_hold_back_a_flagged_update_in_its_own_round_at_a_site_and_buffered(digits, where):
+    from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
+    from broker_coordinator.engine.rounds import RoundState
+
+    settings = RoundSettings(**{**SETTINGS.__dict__, "kinship": 0.0, "verdict_banks": 8})
+    specs = Coordinator(FED, ARCH, digits.test, settings).specs
+    keys = {d: signing.new_key() for d in HONEST + ["k0"]}
+    if where == "site":
+        worker = SiteWorker(FED, "north", ARCH, signing.new_key(), keys)
+        task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
+        center = {n: np.zeros(s, np.float32) for n, s in specs.items()}
+        rnd = worker._open(SiteTask(1, 1, 0, messages.encode("task", task), site_rules(settings),
+                                    *encode_center(center)), task, set(keys))
+        for device, payload in _flipped_round(specs, keys, 1, 0).items():
+            worker._on_update(rnd, device, payload, time.time())
+        clipped, held_back = worker.partial(rnd).clipped, rnd.aggregate.held_back
+    else:
+        buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(keys),
+                                    "max_staleness": 2})
+        c = BufferedCoordinator(FED, ARCH, digits.test, buffered, device_keys=keys)
+        buffer = c._open_buffer(1)
+        for attempt, (device, payload) in enumerate(_flipped_round(specs, keys, 1, 0, own_tasks=True).items(), start=1):
+            c.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
+            c.working[device] = (1, attempt)
+            buffer.cohort.add(device)
+            c._on_update(buffer, device, payload, time.time())
+        c._set_state(buffer, RoundState.CLOSED)
+        record = c._conclude(buffer, "")
+        clipped, held_back = record.clipped, buffer.aggregate.held_back
+    assert "k0" in held_back and clipped.get("held_back") == len(held_back) < len(keys)
