@@ -32,8 +32,9 @@ then combined by one of (`RoundSettings.aggregator`):
   the same rule at a site and at the centre, so the fold streams: memory
   O(model) (plus a 2,048-number sketch per update of the round) at any cohort
   size. With `verdict_banks` (`banks.py`) the round's flags also hold back
-  its own flagged updates, from N partial sums instead of one. Without a centre (the first round) it is the clipped mean, weighed by
-  the same standing.
+  its own flagged updates, from N partial sums instead of one. Without a
+  centre (the first round) it is the clipped mean, weighed by the same
+  standing.
 - `mean`: the weighted mean of the norm-bounded deltas, streamed.
 - `gated_mean`: the weighted mean of the deltas that point the same way as
   the round's coordinate-wise median (cosine > 0), at least the most aligned

@@ -125,7 +125,7 @@ class RoundSettings:
             (0 <= self.sign_quorum < 1, "sign_quorum must be in [0, 1) (0 = off)"),
             (0 <= self.kinship < 1, "kinship must be in [0, 1) (the path cosine above which a device is flagged; "
                                     "0 = off)"),
-            (isinstance(self.verdict_banks, int) and 0 <= self.verdict_banks <= 64,
+            (type(self.verdict_banks) is int and 0 <= self.verdict_banks <= 64,
              "verdict_banks must be an integer from 0 (off) to 64 (partial sums of the model a round keeps)"),
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
             (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
