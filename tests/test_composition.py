@@ -53,12 +53,17 @@ def test_every_rule_is_listed_in_the_architecture_doc():
                 assert word in row, f"{rule.combination}: {word!r} is not in the doc's row {row!r}"
 
 
-def test_kinship_runs_only_as_centered_clip_s_stage_and_never_under_central_privacy():
+@pytest.mark.parametrize("setting,value", [("kinship", 0.4), ("verdict_banks", 8)])
+def test_centered_clip_s_opt_in_stages_run_everywhere_it_runs_and_never_under_central_privacy(setting, value):
+    """kinship (aggregation/consensus.py) and verdict_banks (aggregation/banks.py) act on what
+    centered_clip's consensus flags: every schedule and topology, no other fold, no central privacy."""
     for topology in composition.TOPOLOGIES:
         for mode in ("sync", "buffered"):
-            assert composition.refusals(RoundSettings(kinship=0.4, mode=mode, algorithm="fedavg"), topology) == []
-    with pytest.raises(ValueError, match=r'kinship \+ aggregator .* is refused \(not built.*set kinship = 0, or aggregator = "centered_clip"'):
-        composition.check(RoundSettings(kinship=0.4, aggregator="mean"))
-    private = RoundSettings(kinship=0.4, algorithm="fedavg", privacy=PrivacySettings(mode="central", noise_multiplier=1.0))
-    with pytest.raises(ValueError, match=r"privacy central \+ kinship is refused \(mathematical"):
+            assert composition.refusals(RoundSettings(**{setting: value}, mode=mode, algorithm="fedavg"), topology) == []
+    with pytest.raises(ValueError, match=rf'{setting} \+ aggregator .* is refused \(not built.*set {setting} = 0, '
+                                         r'or aggregator = "centered_clip"'):
+        composition.check(RoundSettings(**{setting: value}, aggregator="mean"))
+    private = RoundSettings(**{setting: value}, algorithm="fedavg",
+                            privacy=PrivacySettings(mode="central", noise_multiplier=1.0))
+    with pytest.raises(ValueError, match=rf"privacy central \+ {setting} is refused \(mathematical"):
         composition.check(private)

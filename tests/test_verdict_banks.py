@@ -11,8 +11,6 @@ from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
-from broker_coordinator.settings import composition
-from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.round_settings import RoundSettings
 
 SPECS = {"w": (64,)}
@@ -72,15 +70,6 @@ def test_every_bank_flagged_cancels_out_and_the_bank_of_a_device_depends_on_the_
     assert [a.bank_of(d) for d in devices] != [b.bank_of(d) for d in devices]
 
 
-def test_verdict_banks_compose_with_centered_clip_only_and_never_under_central_privacy():
-    for topology in composition.TOPOLOGIES:
-        for mode in ("sync", "buffered"):
-            assert composition.refusals(RoundSettings(verdict_banks=8, mode=mode, algorithm="fedavg"), topology) == []
-    with pytest.raises(ValueError, match=r'verdict_banks \+ aggregator .* is refused \(not built'):
-        composition.check(RoundSettings(verdict_banks=8, aggregator="mean"))
-    private = RoundSettings(verdict_banks=8, algorithm="fedavg",
-                            privacy=PrivacySettings(mode="central", noise_multiplier=1.0))
-    with pytest.raises(ValueError, match=r"privacy central \+ verdict_banks is refused \(mathematical"):
-        composition.check(private)
+def test_a_bank_count_outside_0_to_64_is_refused_with_the_range():
     with pytest.raises(ValueError, match="verdict_banks must be an integer from 0"):
         RoundSettings(verdict_banks=100).validate()
