@@ -98,12 +98,12 @@ SYNTHETIC_BATCH = 50
 def settings_for(algorithm: str, epsilon: str, cohort: int, population: int, rounds: int,
                  clip_initial: float, lr: float, batch_size: int = 32, serve_average: float = 0.0,
                  server: dict | None = None, target_quantile: float = 0.5,
-                 uplink: str = codec.DEFAULT) -> RoundSettings:
+                 uplink: str = codec.DEFAULT, accountant: str = "rdp") -> RoundSettings:
     """`server`: [rounds] server_optimizer keys (server_optimizer, server_lr, server_momentum); the
     optimizer steps on the private fold's output, so it is post-processing and costs no epsilon."""
     privacy = PrivacySettings() if epsilon == "none" else PrivacySettings(
         mode="central", target_epsilon=float(epsilon), delta=DELTA, planned_rounds=rounds, population=population,
-        clip="adaptive", clip_initial=clip_initial, target_quantile=target_quantile)
+        clip="adaptive", clip_initial=clip_initial, target_quantile=target_quantile, accountant=accountant)
     return RoundSettings(algorithm=algorithm, clients_per_round=cohort, local_epochs=1, lr=lr, batch_size=batch_size,
                          aggregator="mean",
                          weighting="uniform", norm_bound=0, round_timeout=60, privacy=privacy,
@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="1000of10000: [rounds] server_lr_decay, the server step's decay per round (1: fixed)")
     ap.add_argument("--target-quantile", type=float, default=0.5,
                     help="1000of10000: [privacy] target_quantile, the share of updates the adaptive clip leaves whole")
+    ap.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                    help="1000of10000: [privacy] accountant, which sizes the noise for each target epsilon "
+                         "(pld: the tighter bound, about 7%% less noise at 1,000 of 10,000 over 40 rounds)")
     ap.add_argument("--epsilons", default=",".join(EPSILONS),
                     help="1000of10000, a probe: run only these of " + ", ".join(EPSILONS)
                          + " (cached; a result needs them all)")
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                        "10of20": "broker-coordinator simulate (bench/privacy_simulate.py)"}, cuts=cuts, wall_seconds=round(time.time() - started),
             synthetic_labels=args.synthetic_labels, synthetic_lr=args.synthetic_lr,
             synthetic_batch_size=args.synthetic_batch, serve_average=args.serve_average,
-            target_quantile=args.target_quantile, **({"server_momentum": args.server_momentum}
+            target_quantile=args.target_quantile, accountant=args.accountant,
+            **({"server_momentum": args.server_momentum}
                                                      if args.server_optimizer == "momentum" else {}),
             **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
@@ -412,6 +416,7 @@ def synthetic_sizing(args: argparse.Namespace) -> str:
             + (f"-ema{args.serve_average:g}" if args.serve_average else "")
             + ("" if args.target_quantile == 0.5 else f"-q{args.target_quantile:g}")
             + ("" if args.codec == codec.DEFAULT else f"-{args.codec}")
+            + ("" if args.accountant == "rdp" else f"-{args.accountant}")
             + "".join(f"-{k.replace('_', '')}{v:g}" if isinstance(v, float) else f"-{v}"
                       for k, v in server_of(args).items()))
 
@@ -429,7 +434,7 @@ def synthetic_settings(args: argparse.Namespace, epsilon: str) -> RoundSettings:
     """The 1000of10000 cohort's settings at `epsilon`, as the flags size them."""
     return settings_for("fedprox", epsilon, 1000, 10_000, args.synthetic_rounds, args.clip_initial,
                         args.synthetic_lr, args.synthetic_batch, args.serve_average, server_of(args),
-                        args.target_quantile, args.codec)
+                        args.target_quantile, args.codec, args.accountant)
 
 
 def server_of(args: argparse.Namespace) -> dict:
