@@ -361,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             synthetic_labels=args.synthetic_labels, synthetic_lr=args.synthetic_lr,
             synthetic_batch_size=args.synthetic_batch, serve_average=args.serve_average,
             target_quantile=args.target_quantile, accountant=args.accountant,
-            **({"server_momentum": args.server_momentum}
-                                                     if args.server_optimizer == "momentum" else {}),
+            **({"server_momentum": args.server_momentum} if args.server_optimizer == "momentum" else {}),
             **({"merged": {k: merged["measured_with"] for k in runs if k != args.only}} if merged else {})),
         "runs": runs,
         "accountant_check": accountant_check(args.synthetic_rounds),

@@ -3,12 +3,12 @@
 A backdoor's trigger sits in inputs that honest data holds constant: with the MNIST MLP of
 bench/attacks.py, the corner pixels its trigger lights up are background in every digit (-0.42
 after the loader's standardization, not 0, so honest devices do move the weights from them, as
-they move a bias). Honest updates pull those weights every which way with the rest of the layer,
-the attackers all one way, and a length bound or a centre cannot tell a few such coordinates from
-honest noise. The robust learning rate of Ozdayi, Kantarcioglu and Gel (AAAI 2021) counts, per
-coordinate, the signs of the round's updates; where the net count is below a threshold the server
-does not step (their soft variant: it zeroes the coordinate instead of reversing it). The count is one vector the size of the model, summed as
-updates arrive, and counts add across sites: the stage streams.
+they move a bias). There the attackers pull one way where the honest updates do not agree, and a
+length bound or a centre cannot tell a few such coordinates from honest noise. The robust
+learning rate of Ozdayi, Kantarcioglu and Gel (AAAI 2021) counts, per coordinate, the signs of
+the round's updates; where the net count is below a threshold the server does not step (their
+soft variant: it zeroes the coordinate instead of reversing it). The count is one vector the
+size of the model, summed as updates arrive, and counts add across sites: the stage streams.
 
 The threshold is a fraction of the round's folded updates (at least 2), so that a round of 4 is
 held to the same share as a round of 10.
