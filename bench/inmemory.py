@@ -139,7 +139,7 @@ class InMemoryFederation:
             delta, num_samples = self.tamper(device, delta, num_samples, round_no)
         ef = state.setdefault("codec", {})
         old_residual = ef.get("residual")
-        encoded = codec.encode(delta, self.settings.codec, old_residual)
+        encoded = codec.encode(delta, self.coordinator.settings.codec, old_residual)
         update = messages.Update(device, round_no, self.coordinator.version, num_samples, out.metrics,
                                  encoded.body, encoded.codec, encoded.specs, FED, 1)
         return Trained(messages.encode_update(update, self.keys[device]), rule, before, encoded, delta,

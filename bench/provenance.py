@@ -13,7 +13,10 @@ with what ships today, key by key:
     algorithm     the algorithm's name (edgefl_protocol/algorithms)
     momentum      the client optimizer's momentum (0.0: plain SGD)
     local_epochs  the local-epoch policy: N fixed epochs, 0 = each device chooses
-    codec         the uplink codec
+    codec         the uplink codec: "auto" (the default: edgefl_protocol.codec.resolve picks it by
+                  model size), or the one a file named; a file that records a named codec may also
+                  record `model_values`, the parameter counts of the models it measured, so that
+                  the named codec can be checked against what "auto" resolves to on each
     downlink      "full" or "delta"
     aggregator    the coordinator's fold (broker_coordinator/aggregation/robust.py)
     weighting     what a device's sample count may weigh (broker_coordinator/aggregation/trust.py)

@@ -59,6 +59,14 @@ STATE_PREFIX = "extra."  # algorithm state: lossy stages, no error feedback
 # The default uplink codec: the fewest bytes within 0.5 points of float32 accuracy in bench/codec.py
 # (bench/results/codec.md): about 30x fewer bytes than float32.
 DEFAULT = "topk0.1+q4c64+zlib"
+# What `codec = "auto"` (the coordinator's default) names: DEFAULT for a model of at least
+# TOPK_MIN_VALUES parameters, DENSE below. On small models top-k saves little and costs accuracy:
+# 280 bytes an update on the 610-parameter logistic regression and 2.2 KB on the 4,810-parameter
+# digits MLP (37 KB on the 80k CNN), for 5.4 points of centered_clip's clean accuracy on
+# Synthetic(1,1) (bench/results/field_settings.md, docs/RESEARCH.md "Uplink codec by model size").
+AUTO = "auto"
+DENSE = "q4c64+zlib"
+TOPK_MIN_VALUES = 10_000
 MAX_TENSORS = 4096
 MAX_NDIM = 8
 VALUE_KINDS = {"float32": 32, "float16": 16, "q8": 8, "q4": 4}
@@ -99,7 +107,21 @@ def parse(name: str) -> CodecSpec:
     """A codec name -> its spec; ValueError names what is wrong (use it to validate config)."""
     if not isinstance(name, str) or not name or len(name) > 64:
         raise ValueError(f"codec must be a non-empty name of at most 64 characters, got {name!r:.80}")
+    if name == AUTO:
+        raise ValueError(f"codec {AUTO!r} names a codec only once the model is known (codec.resolve)")
     return _parse(name)
+
+
+def check(name: str) -> str:
+    """A configured codec: a codec name or AUTO (returned as its canonical name). ValueError if neither."""
+    return AUTO if name == AUTO else parse(name).name
+
+
+def resolve(name: str, num_values: int) -> str:
+    """The codec a model of `num_values` parameters is sent in: `name` itself unless it is AUTO."""
+    if name != AUTO:
+        return parse(name).name
+    return DEFAULT if num_values >= TOPK_MIN_VALUES else DENSE
 
 
 @functools.lru_cache(maxsize=64)

@@ -234,3 +234,14 @@ def test_a_malformed_tensor_among_good_ones_is_named():
     short = [entries[0], [entries[1][0], entries[1][1][:-1] + b"\x80", entries[1][2]], entries[2]]
     with pytest.raises(Rejected, match="index block does not hold exactly 10 varints"):
         codec.decode(e.codec, e.specs, msgpack.packb(short), codec.specs_of(t), 10_000)
+
+
+def test_auto_names_top_k_only_for_models_large_enough_to_gain_from_it():
+    assert codec.resolve(codec.AUTO, codec.TOPK_MIN_VALUES) == codec.DEFAULT
+    assert codec.resolve(codec.AUTO, codec.TOPK_MIN_VALUES - 1) == codec.DENSE
+    assert codec.resolve("topk0.050+q8", 610) == "topk0.05+q8"  # a named codec is kept, on any model
+    assert codec.check(codec.AUTO) == codec.AUTO
+    with pytest.raises(ValueError, match="once the model is known"):
+        codec.parse(codec.AUTO)  # it never travels: a task or an update naming it is refused
+    with pytest.raises(Rejected):
+        codec.decode(codec.AUTO, [], b"", None, 10)

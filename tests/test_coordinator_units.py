@@ -202,6 +202,16 @@ def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
         RoundSettings(serve_average=1.5).validate()
 
 
+def test_the_default_codec_is_resolved_for_the_model_and_a_named_one_is_kept():
+    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from edgefl_protocol import codec
+
+    assert RoundSettings().codec == codec.AUTO
+    assert Coordinator("u", "digits_mlp", None, RoundSettings()).settings.codec == codec.DENSE  # 4,810 parameters
+    assert Coordinator("u", "mnist_cnn", None, RoundSettings()).settings.codec == codec.DEFAULT  # 80,202
+    assert Coordinator("u", "digits_mlp", None, RoundSettings(codec="topk0.1+q8")).settings.codec == "topk0.1+q8"
+
+
 def _update_for(c, device, round_no=1, attempt=1, metrics=None, num_samples=10):
     import msgpack
 

@@ -5,9 +5,10 @@ import json
 import subprocess
 import sys
 
-# Measured with the default codec (top-k 10%, 4-bit, zlib): 44.7 / 48.6 / 40.8% after 3 rounds
-# for seeds 0 / 1 / 2 (chance is 10%; float32 updates gave 61-69%). The test runs seed 0.
-MIN_ACCURACY = 0.30
+# Measured with the default codec on this model (dense 4-bit, zlib): 91.4 / 91.9 / 86.9% after 3
+# rounds for seeds 0 / 1 / 2 (chance is 10%; top-k 10% updates, the default before "auto", gave
+# 44.7 / 48.6 / 40.8%). The test runs seed 0.
+MIN_ACCURACY = 0.60
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -25,8 +26,9 @@ def test_three_agents_three_rounds_on_digits(tmp_path):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     for r in rounds:
         assert {"round", "accuracy", "loss", "participants", "bytes_up", "seconds"} <= set(r)
-        # the default codec (top-k 10%, 4-bit) sends far fewer bytes than float32's 4 per parameter
-        assert r["participants"] == 3 and 3 * 0.05 * 4810 < r["bytes_up"] < 3 * 4 * 4810 / 8
+        # the default codec on this 4,810-parameter MLP (dense 4-bit: codec.resolve) sends at least half
+        # a byte per parameter and well under float32's 4
+        assert r["participants"] == 3 and 3 * 4810 / 2 < r["bytes_up"] < 3 * 4 * 4810 / 4
     assert rounds[-1]["accuracy"] > MIN_ACCURACY
     assert (out / "accuracy.png").stat().st_size > 1000
 

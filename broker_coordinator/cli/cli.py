@@ -51,6 +51,11 @@ def _codec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _uplink_codec(text: str) -> str:
+    from edgefl_protocol import codec
+    return codec.AUTO if text == codec.AUTO else _codec(text)
+
+
 def _checked_by(check):  # noqa: ANN001, ANN202
     """An argparse type that keeps the text once `check(text)` accepts it (its ValueError is the message)."""
     def parse(text: str) -> str:
@@ -137,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local SGD momentum")
     sim.add_argument("--round-timeout", type=_bounded(float, 1.0), default=300.0,
                      help="seconds a round waits for updates")
-    sim.add_argument("--codec", type=_codec, default=None,
-                     help="uplink codec the tasks name, e.g. float32, q8, topk0.05+q8+zlib "
-                          "(default: RoundSettings.codec, see README)")
+    sim.add_argument("--codec", type=_uplink_codec, default=None,
+                     help="uplink codec the tasks name, e.g. float32, q8, topk0.05+q8+zlib, or auto "
+                          "(the default: topk0.1+q4c64+zlib for models of 10,000 parameters or more, "
+                          "q4c64+zlib below)")
     sim.add_argument("--model-codec", type=_codec, default="float32",
                      help="downlink codec for the global model: float32 (lossless) or float16, optionally +zlib")
     sim.add_argument("--downlink", choices=["full", "delta"], default=defaults.downlink,

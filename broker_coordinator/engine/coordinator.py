@@ -21,6 +21,7 @@ Model releases (versions, the retained manifests, the delta downlink) are `relea
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import queue
@@ -91,6 +92,9 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.fingerprint = fingerprint(self.model)  # devices refuse a release whose model differs from theirs
         self.weights = get_weights(self.model)
         self.specs = codec.specs_of(self.weights)
+        if settings.codec == codec.AUTO:  # what the tasks name, for this model (edgefl_protocol.codec.resolve)
+            settings = self.settings = dataclasses.replace(
+                settings, codec=codec.resolve(settings.codec, sum(math.prod(s) for s in self.specs.values())))
         self.served = ServedAverage(self.weights, settings.serve_average)  # what is evaluated and kept
         self.served_model = build_model(arch)
         self.version = 0

@@ -42,7 +42,9 @@ class RoundSettings:
     min_updates: int = 1  # quorum needed to close a round at its deadline
     max_attempts: int = 3  # tries per round without quorum before giving up; 0 = keep trying
     normalize_steps: bool = False  # FedNova-style normalization by local steps
-    codec: str = codec.DEFAULT  # uplink codec the tasks name (see edgefl_protocol.codec)
+    # uplink codec the tasks name (see edgefl_protocol.codec); "auto": top-k for models of at least
+    # codec.TOPK_MIN_VALUES parameters, dense 4-bit below (the coordinator resolves it)
+    codec: str = codec.AUTO
     model_codec: str = "float32"  # downlink: float32 (lossless) or float16, optionally +zlib
     model_chunk_bytes: int = downlink.DEFAULT_CHUNK_BYTES
     # "delta": a device holding one of the last downlink_chain versions gets lossy deltas in
@@ -145,7 +147,7 @@ class RoundSettings:
             check_training(self.task_hparams(1))
         except Rejected as exc:
             raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
-        codec.parse(self.codec)
+        codec.check(self.codec)
         downlink.check_model_codec(self.model_codec)
         delta_downlink.check_settings(self.downlink, self.downlink_codec, self.downlink_chain, self.model_codec)
 

@@ -316,7 +316,7 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             "task": objective.task, "loss": objective.loss, "metric": objective.metric,
             "evaluated": {"central": central, "devices": on_devices}, "agents": spec.agents,
             "partition": (spec.partition_file.name if spec.partition_file else spec.partition) if data else None,
-            "seed": spec.seed, "algorithm": settings.algorithm, "codec": settings.codec,
+            "seed": spec.seed, "algorithm": settings.algorithm, "codec": coordinator.settings.codec,
             "local_epochs": settings.local_epochs, "momentum": settings.momentum,
             "round_timeout": settings.round_timeout, "fleet": spec.fleet, "churn": spec.churn,
             "device_classes": classes, "fleet_limits": groups is not None, "churn_events": churn.events if churn else [],
