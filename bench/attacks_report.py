@@ -113,6 +113,7 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
                 "kinship": [RoundSettings(**FOLDS[f]).kinship for f in folds],
                 "verdict_banks": [RoundSettings(**FOLDS[f]).verdict_banks for f in folds],
                 "topology": ["flat", "sites"]},
+        codec_per_model=provenance.codecs_of(["mnist_mlp", "logreg60"]),
         run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),
         rounds=sorted({j[4] for j in jobs}), clients_per_round=10, round_timeout=ROUND_TIMEOUT,
         fleet="the demo's mix (bench/algorithms.py fleet_for)", sites=SITES, cut=CUT,

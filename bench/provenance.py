@@ -109,6 +109,19 @@ def invoked() -> str:
     return " ".join(["python", "-m", module, *args])
 
 
+def codecs_of(archs: list[str], configured: str | None = None) -> dict[str, str]:
+    """{arch: the uplink codec it travels in} for a configured codec (the default: RoundSettings'),
+    "auto" resolved by each model's size as the coordinator resolves it."""
+    import math
+
+    from broker_coordinator.settings.round_settings import RoundSettings
+    from edgefl_protocol import codec
+    from models.architectures import build_model
+    configured = configured or RoundSettings().codec
+    return {a: codec.resolve(configured, sum(math.prod(p.shape) for p in build_model(a).state_dict().values()))
+            for a in archs}
+
+
 def measured_with(command: str, settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """The `measured_with` block of a result: this checkout's commit, the command that ran, the
     deciding settings (key names of `defaults()`), then anything else that decides the numbers."""
