@@ -60,10 +60,10 @@ STATE_PREFIX = "extra."  # algorithm state: lossy stages, no error feedback
 # (bench/results/codec.md): about 30x fewer bytes than float32.
 DEFAULT = "topk0.1+q4c64+zlib"
 # What `codec = "auto"` (the coordinator's default) names: DEFAULT for a model of at least
-# TOPK_MIN_VALUES parameters, DENSE below. On small models top-k saves little and costs accuracy:
-# 280 bytes an update on the 610-parameter logistic regression and 2.2 KB on the 4,810-parameter
-# digits MLP (37 KB on the 80k CNN), for 5.4 points of centered_clip's clean accuracy on
-# Synthetic(1,1) (bench/results/field_settings.md, docs/RESEARCH.md "Uplink codec by model size").
+# TOPK_MIN_VALUES parameters, DENSE below. On small models top-k saves little (about 280 bytes an
+# update on the 610-parameter logistic regression, 2.2 KB on the 4,810-parameter digits MLP, against
+# 37 KB on the 80k CNN) and costs the default algorithm accuracy: dense, `dynsam` gains 1.3 points
+# on Synthetic(1,1) and on digits (docs/RESEARCH.md, "Uplink codec by model size").
 AUTO = "auto"
 DENSE = "q4c64+zlib"
 TOPK_MIN_VALUES = 10_000
