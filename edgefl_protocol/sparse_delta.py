@@ -1,7 +1,8 @@
 """A decoded top-k update as its nonzero coordinates, so that a fold can work on them alone.
 
-The default codec keeps a tenth of each tensor's values, so nine in ten coordinates of a decoded
-delta are zero, and the decoder knows which (sparse_decode.py). The coordinator's per-update work
+The default codec (`auto`) keeps a tenth of each tensor's values on models of 10,000 parameters or
+more, so nine in ten coordinates of a decoded delta are zero, and the decoder knows which
+(sparse_decode.py). The coordinator's per-update work
 (the delta's norm, the consensus sketch, its distance from the centre, the float64 sums) is linear
 or quadratic in the delta, so on the kept values it gives the dense result: exactly for the sums
 (adding a zero is exact), to float rounding for the norms and the sketch (another order of
