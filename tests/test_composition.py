@@ -53,10 +53,10 @@ def test_every_rule_is_listed_in_the_architecture_doc():
                 assert word in row, f"{rule.combination}: {word!r} is not in the doc's row {row!r}"
 
 
-@pytest.mark.parametrize("setting,value", [("kinship", 0.4), ("verdict_banks", 8)])
+@pytest.mark.parametrize("setting,value", [("kinship", 0.4), ("verdict_banks", 8), ("agreement_floor", 0.05)])
 def test_centered_clip_s_opt_in_stages_run_everywhere_it_runs_and_never_under_central_privacy(setting, value):
-    """kinship (aggregation/consensus.py) and verdict_banks (aggregation/banks.py) act on what
-    centered_clip's consensus flags: every schedule and topology, no other fold, no central privacy."""
+    """kinship and agreement_floor (aggregation/consensus.py) and verdict_banks (aggregation/banks.py) act
+    on what centered_clip's consensus flags: every schedule and topology, no other fold, no central privacy."""
     for topology in composition.TOPOLOGIES:
         for mode in ("sync", "buffered"):
             assert composition.refusals(RoundSettings(**{setting: value}, mode=mode, algorithm="fedavg"), topology) == []

@@ -175,3 +175,18 @@ def test_paths_survive_a_checkpoint_and_the_least_recently_judged_are_forgotten(
     consensus.judge(update)
     again.judge(update)
     assert set(again.kin) == set(consensus.kin)
+
+
+def test_agreement_floor_spares_near_orthogonal_updates_and_still_flags_a_flipped_one():
+    """Near convergence honest non-IID updates are nearly orthogonal: median cosines a hair below 0
+    (within the sketch's error) are flagged by today's rule and spared by a floor; a flipped update,
+    far below, is flagged either way."""
+    base = np.array([1.0, 0.0, 0.0, 0.0])
+    sketches = {f"honest-{i}": np.roll(base, i) for i in range(4)}  # orthogonal
+    sketches["honest-0"] = np.array([1.0, -0.02, -0.02, -0.02])  # median cosine just below 0
+    sketches["flipped"] = -np.array([1.0, 1.0, 1.0, 1.0])
+    assert "honest-0" in disagreeing(sketches, floor=0.0)
+    spared = disagreeing(sketches, floor=0.05)
+    assert "honest-0" not in spared and "flipped" in spared
+    consensus = Consensus(floor=0.05)
+    assert set(consensus.judge(sketches)) == {"flipped"}

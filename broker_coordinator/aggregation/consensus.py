@@ -17,7 +17,10 @@ random sign, summed into SKETCH_DIM buckets, which keeps cosines within about
 1/sqrt(SKETCH_DIM) for dense and for the top-k codec's sparse deltas alike),
 memory O(model + cohort x SKETCH_DIM). When the round
 closes, an update whose median cosine with the others is below
-min(0, median - MAD_MULTIPLIER x MAD) of the round's is flagged. A device's
+min(-agreement_floor, median - MAD_MULTIPLIER x MAD) of the round's is flagged
+(`agreement_floor`, 0 by default: a margin for the sketch's error, since near
+convergence honest non-IID updates are nearly orthogonal and their median
+cosines scatter just below 0; docs/RESEARCH.md). A device's
 standing is 1 - FLAG_COST x (its flags among its last `WINDOW` judged updates)
 / WINDOW, at least `MIN_STANDING`, and scales its weight from its next update
 on (the round it was flagged in is already folded). A rate over a window, not a
@@ -56,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.aggregation.trust import MIN_STANDING
-from broker_coordinator.settings.choices import DEFAULT_KINSHIP
+from broker_coordinator.settings.choices import DEFAULT_AGREEMENT_FLOOR, DEFAULT_KINSHIP
 from edgefl_protocol.sparse_delta import SparseDelta
 
 SKETCH_DIM = 2048  # cosines of sketches within about 0.02 of the true ones (tests/test_consensus.py)
@@ -119,15 +122,16 @@ def median_cosines(sketches: np.ndarray) -> np.ndarray:
     return out
 
 
-def disagreeing(sketches: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """device -> its median cosine, for the updates of a round that point away from its majority."""
+def disagreeing(sketches: Mapping[str, np.ndarray], floor: float = DEFAULT_AGREEMENT_FLOOR) -> dict[str, float]:
+    """device -> its median cosine, for the updates of a round that point away from its majority: below
+    -floor and below the round's median less MAD_MULTIPLIER x its MAD."""
     if len(sketches) < MIN_JUDGED:
         return {}
     devices = list(sketches)
     medians = median_cosines(np.stack([sketches[d] for d in devices]))
     middle = float(np.median(medians))
     spread = float(np.median(np.abs(medians - middle)))
-    threshold = min(0.0, middle - MAD_MULTIPLIER * spread)
+    threshold = min(-floor, middle - MAD_MULTIPLIER * spread)
     return {d: float(m) for d, m in zip(devices, medians) if m < threshold}
 
 
@@ -142,8 +146,9 @@ def _folded(sketch: np.ndarray) -> np.ndarray:
 class Consensus:
     """Devices' standing from the agreement of their updates with their rounds (checkpointed)."""
 
-    def __init__(self, kinship: float = DEFAULT_KINSHIP) -> None:
+    def __init__(self, kinship: float = DEFAULT_KINSHIP, floor: float = DEFAULT_AGREEMENT_FLOOR) -> None:
         self.kinship = kinship
+        self.floor = floor  # `agreement_floor`: how far below 0 a median cosine must be to flag
         self.flags: dict[str, list[int]] = {}  # device -> 1 (flagged) or 0 for its last WINDOW judged updates
         self.paths: dict[str, np.ndarray] = {}  # device -> the sum of its judged updates' departures (kinship)
         self.judged: dict[str, int] = {}  # device -> its judged updates (insertion order: least recent first)
@@ -167,7 +172,7 @@ class Consensus:
         self.kin = {}
         if len(sketches) < MIN_JUDGED:
             return {}  # no majority to speak of: nothing judged, nothing remembered
-        flagged = disagreeing(sketches)
+        flagged = disagreeing(sketches, self.floor)
         if self.kinship > 0:
             self.kin = self._kinship(sketches)
         for device in sketches:

@@ -129,7 +129,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         # round opens, to the sites too), and the radius' history of distances from it
         self.center: dict[str, np.ndarray] | None = None
         self.radius = NormBound(settings.norm_bound or 1.5)
-        self.consensus = Consensus(settings.kinship)  # centered_clip: devices' standing by agreement with their rounds
+        self.consensus = Consensus(settings.kinship, settings.agreement_floor)  # centered_clip: devices' standing by agreement with their rounds
         self.attempts: dict[int, int] = {}  # round -> last attempt number used (continues across restarts)
         self._admitted: tuple[float, set[str] | None] = (0.0, None)  # (when, devices the registry admits)
         self._presence_settled = False

@@ -84,7 +84,7 @@ from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",
-               "sign_quorum", "kinship", "verdict_banks")
+               "sign_quorum", "kinship", "agreement_floor", "verdict_banks")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -322,6 +322,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         rules.setdefault("aggregator", "mean")  # a coordinator from before the centre was sent
         self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
         self.consensus.kinship = self.settings.kinship
+        self.consensus.floor = self.settings.agreement_floor
         try:
             center = decode_center(site_task, self.specs)
         except Rejected as exc:

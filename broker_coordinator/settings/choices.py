@@ -14,6 +14,10 @@ DEFAULT_AGGREGATOR = "centered_clip"
 # centered_clip's kinship flag (aggregation/consensus.py): a path cosine above it flags a device; 0 = off.
 # Off by default: at 0.4 it stopped no backdoor in bench/attacks.py and flagged honest Synthetic devices
 DEFAULT_KINSHIP = 0.0
+# centered_clip's agreement stage flags an update only when its median cosine with its round is below
+# -agreement_floor (and its round's MAD rule). 0 = today's rule; the sketch measures a cosine to about
+# 0.02, so flags just below 0 are mostly sketch noise and near-orthogonal honest updates (docs/RESEARCH.md)
+DEFAULT_AGREEMENT_FLOOR = 0.0
 WEIGHTINGS = ("capped", "uniform", "reported")  # what a device's sample count may weigh (aggregation/trust.py)
 POLICIES = ("random", "stability")  # cohort selection (engine/selection.py)
 STALENESS_WEIGHTS = ("inverse_sqrt", "constant")  # buffered mode (aggregation/staleness.py)

@@ -108,6 +108,15 @@ RULES: tuple[Rule, ...] = (
          "a device is flagged when its path is like another device's, so one device's updates can cut another's "
          "weight: beyond the clip C the noise covers",
          lambda s, t: _private(s) and s.kinship > 0, "kinship = 0"),
+    Rule('agreement_floor + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
+         "the floor is a margin of centered_clip's agreement stage (aggregation/consensus.py), which the other "
+         "folds do not keep",
+         lambda s, t: s.agreement_floor > 0 and s.aggregator != "centered_clip",
+         'agreement_floor = 0, or aggregator = "centered_clip"'),
+    Rule('privacy central + agreement_floor', "mathematical",
+         "the agreement stage flags a device by its cosines with the other devices' updates of the same round, "
+         "beyond the clip C the noise covers; the private fold runs without it",
+         lambda s, t: _private(s) and s.agreement_floor > 0, "agreement_floor = 0"),
     Rule('verdict_banks + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
          "the banks hold back what centered_clip's consensus flags (aggregation/banks.py); the other folds flag "
          "nothing",

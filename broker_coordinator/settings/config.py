@@ -44,6 +44,8 @@
                                          # on its sign (against backdoors; costs accuracy on small models: RESEARCH.md)
     kinship = 0.0                        # centered_clip: > 0 (0.4 measured) flags devices whose updates depart alike
                                          # (path cosine above this); off: it stopped no backdoor (RESEARCH.md)
+    agreement_floor = 0.0                # centered_clip: flag an update as pointing away only below -this median
+                                         # cosine (0.05 measured: fewer honest flags; RESEARCH.md)
     verdict_banks = 0                    # centered_clip: > 0 (8 measured) lets a round's flags hold back its own
                                          # updates, at the price of their bank-mates; memory this x model
     serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)

@@ -10,6 +10,7 @@ from broker_coordinator.settings import composition
 from broker_coordinator.settings.choices import (
     AGGREGATORS,
     DEFAULT_AGGREGATOR,
+    DEFAULT_AGREEMENT_FLOOR,
     DEFAULT_KINSHIP,
     EVALUATE_MODES,
     MODES,
@@ -66,6 +67,9 @@ class RoundSettings:
     # centered_clip: flag a device whose updates depart from their rounds the way another device's do
     # (colluders, backdoors) when the cosine of their paths exceeds this; 0 = off (aggregation/consensus.py)
     kinship: float = DEFAULT_KINSHIP
+    # centered_clip: flag an update as pointing away from its round only when its median cosine with the
+    # round's others is below -agreement_floor (a margin over the sketch's error); 0 = below 0 suffices
+    agreement_floor: float = DEFAULT_AGREEMENT_FLOOR
     # centered_clip: fold the round's updates into this many partial sums, so that its flags reach its own
     # updates (a flagged update's sum at 5%); memory this x model; 0 = flags act from the next update on
     # (aggregation/banks.py)
@@ -127,6 +131,8 @@ class RoundSettings:
             (0 <= self.sign_quorum < 1, "sign_quorum must be in [0, 1) (0 = off)"),
             (0 <= self.kinship < 1, "kinship must be in [0, 1) (the path cosine above which a device is flagged; "
                                     "0 = off)"),
+            (0 <= self.agreement_floor < 1, "agreement_floor must be in [0, 1) (the median cosine below whose "
+                                            "negative an update counts as pointing away; 0 = below 0)"),
             (type(self.verdict_banks) is int and 0 <= self.verdict_banks <= 64,
              "verdict_banks must be an integer from 0 (off) to 64 (partial sums of the model a round keeps)"),
             (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
