@@ -50,7 +50,8 @@ class InSites:
         cohorts = {site: sorted(sim.rng.sample(self.members[site], k)) for site, k in shares.items()}
         trained = {d: sim._train(d, round_no, hp) for cohort in cohorts.values() for d in cohort}
         task = messages.Task(round_no, tree.version, time.time() + 600, s.algorithm, hp, tree.server_rule.broadcast(),
-                             s.codec, 1, tree.objective.task, tree.objective.loss, evaluate=False, train=True)
+                             tree.settings.codec, 1, tree.objective.task, tree.objective.loss, evaluate=False,
+                             train=True)  # the tree's codec: "auto" resolved for the model
         center = tree.center if s.aggregator == "centered_clip" else None
         payloads = []
         for site, cohort in cohorts.items():
