@@ -11,8 +11,11 @@ folded, as it folded it (the verdict its receipt would carry), as the agent does
 (`edge_agent.settlement`).
 
 What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
-against `round_timeout` at its emulated speed), and a device's speed is the host's calibrated
-throughput per CPU-second times its class's speed (`broker_coordinator.simulation.fleet.PROFILES`), measured once per process.
+against `round_timeout` at its emulated speed), a device's speed is the host's calibrated
+throughput per CPU-second times its class's speed (`broker_coordinator.simulation.fleet.PROFILES`),
+measured once per process, and the codec's stochastic rounding is seeded by (device, round, run)
+instead of drawn from the OS. So two runs with the same host speed give the same model; the
+calibration (a few percent from one process to the next) can still change a device's epochs.
 """
 
 from __future__ import annotations
@@ -139,7 +142,10 @@ class InMemoryFederation:
             delta, num_samples = self.tamper(device, delta, num_samples, round_no)
         ef = state.setdefault("codec", {})
         old_residual = ef.get("residual")
-        encoded = codec.encode(delta, self.coordinator.settings.codec, old_residual)
+        # the quantizer's stochastic rounding from a seed of (device, round, run), where the agent draws it
+        # from the OS: the same distribution, and a rerun of a run gives the same model
+        rounding = np.random.default_rng(zlib.crc32(f"codec/{local_seed}".encode()))
+        encoded = codec.encode(delta, self.coordinator.settings.codec, old_residual, rounding)
         update = messages.Update(device, round_no, self.coordinator.version, num_samples, out.metrics,
                                  encoded.body, encoded.codec, encoded.specs, FED, 1)
         return Trained(messages.encode_update(update, self.keys[device]), rule, before, encoded, delta,
