@@ -22,7 +22,9 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "centered_clip+banks8": {"verdict_banks": 8},
                          "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4},
                          # the agreement stage flags only median cosines below -0.05 (aggregation/consensus.py)
-                         "centered_clip+floor0.05": {"agreement_floor": 0.05}}  # name -> overrides
+                         "centered_clip+floor0.05": {"agreement_floor": 0.05},
+                         # the default fold, the served model an average of the global models (aggregation/serving.py)
+                         "centered_clip+serve0.75": {"serve_average": 0.75}}  # name -> overrides
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
@@ -106,7 +108,7 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
             for p, by_run in grouped.items()}
     commits = sorted({r["commit"] for by_run in grouped.values() for cells in by_run.values()
                       for rs in cells.values() for r in rs})
-    varied = ("aggregator", "topology", "kinship", "verdict_banks", "agreement_floor")
+    varied = ("aggregator", "topology", "kinship", "verdict_banks", "agreement_floor", "serve_average")
     settings = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in varied}
     out = {"measured_with": provenance.measured_with(
         provenance.invoked(), settings, describes="defaults",
@@ -115,6 +117,7 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
                 "kinship": [RoundSettings(**FOLDS[f]).kinship for f in folds],
                 "verdict_banks": [RoundSettings(**FOLDS[f]).verdict_banks for f in folds],
                 "agreement_floor": [RoundSettings(**FOLDS[f]).agreement_floor for f in folds],
+                "serve_average": [RoundSettings(**FOLDS[f]).serve_average for f in folds],
                 "topology": ["flat", "sites"]},
         codec_per_model=provenance.codecs_of(["mnist_mlp", "logreg60"]),
         run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),

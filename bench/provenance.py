@@ -23,6 +23,7 @@ with what ships today, key by key:
     norm_bound    deltas clipped to this times the median recent norm; 0 = off
     kinship       centered_clip's kinship threshold (aggregation/consensus.py); 0 = off
     agreement_floor  centered_clip's margin below 0 for an agreement flag (aggregation/consensus.py)
+    serve_average the decay of the served (and evaluated) average of the global models; 0 = the last model
     verdict_banks centered_clip's partial sums that let a round's flags reach its own updates; 0 = off
     mode          "sync" or "buffered"
     topology      "flat" or "sites"
@@ -67,6 +68,7 @@ def deciding(rounds: Any, topology: str = "flat") -> dict[str, Any]:
         "norm_bound": rounds.norm_bound,
         "kinship": rounds.kinship,
         "agreement_floor": rounds.agreement_floor,
+        "serve_average": rounds.serve_average,
         "verdict_banks": rounds.verdict_banks,
         "mode": rounds.mode,
         "topology": topology,
