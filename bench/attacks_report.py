@@ -10,21 +10,24 @@ from . import provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "attacks_runs"
+# name -> overrides. The default fold serves the average of the global models (serve_average = 0.75);
+# the rows marked LAST serve the last global model, as every row did before that was the default
+LAST = {"serve_average": 0.0}
 FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
-                         "geomed": {"aggregator": "geomed"}, "trimmed_mean": {"aggregator": "trimmed_mean"},
-                         "median": {"aggregator": "median"},
+                         "centered_clip+serve0": LAST, "mean+serve0": {"aggregator": "mean", **LAST},
+                         "geomed": {"aggregator": "geomed", **LAST},
+                         "trimmed_mean": {"aggregator": "trimmed_mean", **LAST},
+                         "median": {"aggregator": "median", **LAST},
                          # the default fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
                          # where 40% of the round's updates agree on its sign
-                         "centered_clip+votes": {"sign_quorum": 0.4},
+                         "centered_clip+votes": {"sign_quorum": 0.4, **LAST},
                          # the default fold with its opt-in kinship flag (aggregation/consensus.py)
-                         "centered_clip+kinship0.4": {"kinship": 0.4},
+                         "centered_clip+kinship0.4": {"kinship": 0.4, **LAST},
                          # the round's flags reach its own updates (aggregation/banks.py), with and without kinship
-                         "centered_clip+banks8": {"verdict_banks": 8},
-                         "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4},
+                         "centered_clip+banks8": {"verdict_banks": 8, **LAST},
+                         "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4, **LAST},
                          # the agreement stage flags only median cosines below -0.05 (aggregation/consensus.py)
-                         "centered_clip+floor0.05": {"agreement_floor": 0.05},
-                         # the default fold, the served model an average of the global models (aggregation/serving.py)
-                         "centered_clip+serve0.75": {"serve_average": 0.75}}  # name -> overrides
+                         "centered_clip+floor0.05": {"agreement_floor": 0.05, **LAST}}
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")

@@ -129,7 +129,10 @@ def report() -> dict:
         varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM], "server_optimizer": ["sgd", *SERVERS]},
         data={s: s for s in SETTINGS}, seeds=list(SEEDS), round_timeout=ROUND_TIMEOUT,
         fleet={s: fleet_spec(20 if s != SYNTHETIC else 30) for s in SETTINGS}, transport="in process (bench/inmemory.py)",
-        run_commits=commits, runs="cached in bench/results/algorithms_runs/: a cached run may come from older code")
+        run_commits=commits, runs="cached in bench/results/algorithms_runs/: a cached run may come from older code",
+        served=f"scores the served average of the global models (decay {shipped.serve_average:g}), which each run "
+               "evaluates beside its last global model and never feeds back into training (bench/fedsim.py), so "
+               "runs made while the coordinator served the last model measure it exactly")
     path = RESULTS / "field.json"
     field = json.loads(path.read_text()) if path.exists() else {}
     if "runs" in field:  # the file as bench/field.py wrote it alone: its runs become the "fleet" part

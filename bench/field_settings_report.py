@@ -9,13 +9,27 @@ from .field_report import mean
 
 MAX_PASSES = 1.3  # a candidate makes at most this many of FedAvg's local passes, on every setting
 STABLE_WITHIN = 1.0  # points: no row's final accuracy this far below its own best, in any seed
-SERVED_DECAY = "0.75"  # the served moving average shown beside (bench/algorithms_report.py's choice)
+# A run evaluates its last global model (the coordinator's `accuracy`) and, beside it, the served moving
+# average of the global models (`ema_accuracy`; bench/fedsim.py), which never feeds back into training. The
+# rows score what the shipped coordinator serves: the average at the default decay, or the last model.
 
 
 def row_key(record: dict) -> str:
     client = "momentum" if record["momentum"] else "sgd"
     server = record.get("deciding", {}).get("server_optimizer", "sgd")
     return f"{record['variant']}+{client}" + ("" if server == "sgd" else f"+{server}")
+
+
+def served_curve(record: dict) -> list[float]:
+    """A run's accuracy per round of the model the shipped coordinator serves (RoundSettings.serve_average)."""
+    from broker_coordinator.settings.round_settings import RoundSettings
+    decay = RoundSettings().serve_average
+    if decay == 0:
+        return record["accuracy"]
+    if f"{decay:g}" not in record.get("ema_accuracy", {}):
+        raise ValueError(f"run {record.get('setting')}/{record.get('variant')} seed {record.get('seed')} has no "
+                         f"served average at decay {decay:g}: rerun it (python -m bench.field_settings)")
+    return record["ema_accuracy"][f"{decay:g}"]
 
 
 def client_of(row: str) -> str:
@@ -31,18 +45,18 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
     for setting, rows in sorted(grouped.items()):
         out = table.setdefault(setting, {})
         for row, runs in sorted(rows.items()):
-            finals = [round(100 * r["accuracy"][-1], 2) for r in runs]
-            bests = [round(100 * max(r["accuracy"]), 2) for r in runs]
+            curves = [served_curve(r) for r in runs]
+            finals = [round(100 * c[-1], 2) for c in curves]
+            bests = [round(100 * max(c), 2) for c in curves]
             passes = mean([mean([m["passes"] for rnd in r["signals"] for m in rnd.values() if "passes" in m])
                            for r in runs])
-            served = [r["ema_accuracy"][SERVED_DECAY] for r in runs if SERVED_DECAY in r.get("ema_accuracy", {})]
+            last = [r["accuracy"] for r in runs]
             out[row] = {"seeds": [r["seed"] for r in runs], "final_accuracy": finals, "best_accuracy": bests,
                         "final_minus_best_worst": round(min(f - b for f, b in zip(finals, bests)), 2),
                         "passes": round(passes, 2), "commits": sorted({r.get("commit", "?") for r in runs}),
-                        # serve_average = 0.75 (evaluated beside, never fed back): final, and final - its best
-                        "served_final": [round(100 * c[-1], 2) for c in served],
-                        "served_final_minus_best_worst": round(min(100 * (c[-1] - max(c)) for c in served), 2)
-                        if served else None}
+                        # the last global model (what the coordinator served before serve_average = 0.75)
+                        "last_model_final": [round(100 * c[-1], 2) for c in last],
+                        "last_model_final_minus_best_worst": round(min(100 * (c[-1] - max(c)) for c in last), 2)}
         for row, value in out.items():
             ref = out.get(f"fedavg+{client_of(row)}")
             value["passes_vs_fedavg"] = round(value["passes"] / ref["passes"], 3) if ref else None
@@ -111,21 +125,22 @@ def markdown(table: dict[str, dict[str, dict]], choice: dict, settings: list[str
         "" if shipped.server_optimizer == "sgd" else f"+{shipped.server_optimizer}")
     intro = ("`python -m bench.field_settings` (bench/field_settings.py): the shipped engine in process "
              "(bench/inmemory.py), the default codec, fold and device-chosen epochs on the demo's fleet mix "
-             f"with a {measured['round_timeout']:g} s deadline; final accuracy in %, mean +- std over the seeds. "
+             f"with a {measured['round_timeout']:g} s deadline; final accuracy in % of the served model (the "
+             f"average of the global models, decay {shipped.serve_average:g}), mean +- std over the seeds; the "
+             "last global model's beside it. "
              f"Runs from commits {', '.join(measured['run_commits'])}.")
     lines = ["# The default across settings", "", intro, ""]
     for setting in settings:
         rows = table.get(setting, {})
         header = ("| row | seeds | final | best | final - best (worst seed) | passes vs fedavg "
-                  f"| served avg {SERVED_DECAY}: final | its final - best (worst seed) |")
+                  "| last global model: final | its final - best (worst seed) |")
         lines += [f"## {setting}", "", header, "|---|---|---|---|---|---|---|---|"]
         for row in sorted(rows, key=lambda r: -mean(rows[r]["final_accuracy"])):
             v = rows[row]
             lines.append(f"| {row} | {','.join(map(str, v['seeds']))} | {_fmt(v['final_accuracy'])} | "
                          f"{_fmt(v['best_accuracy'])} | {v['final_minus_best_worst']:+.2f} | "
                          f"{v['passes_vs_fedavg'] if v['passes_vs_fedavg'] is not None else '-'}x | "
-                         + (f"{_fmt(v['served_final'])} | {v['served_final_minus_best_worst']:+.2f} |"
-                            if v.get("served_final") else "- | - |"))
+                         + f"{_fmt(v['last_model_final'])} | {v['last_model_final_minus_best_worst']:+.2f} |")
         lines.append("")
     lines += ["## The choice", "", f"Rule: {choice.get('rule', choice.get('why'))}.", ""]
     if choice["margins"]:

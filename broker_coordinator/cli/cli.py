@@ -156,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--downlink-chain", type=_bounded(int, 1, 64), default=defaults.downlink_chain,
                      help="versions whose deltas stay retained: a device further behind fetches the full model "
                           "(default: %(default)s)")
-    sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=0.0, metavar="DECAY",
+    sim.add_argument("--serve-average", type=_bounded(float, 0.0, 0.999), default=defaults.serve_average,
+                     metavar="DECAY",
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
-                          "models with this decay, e.g. 0.75; 0 = the last global model")
+                          "models with this decay; devices still train from the last global model; 0 = serve "
+                          "the last global model (default: %(default)s)")
     from broker_coordinator.settings.choices import AGGREGATORS
     sim.add_argument("--aggregator", choices=AGGREGATORS, default=defaults.aggregator,
                      help="the robust fold (broker_coordinator/aggregation/robust.py); centered_clip and mean stream and run "

@@ -48,7 +48,7 @@
                                          # cosine (0.05 measured: fewer honest flags; RESEARCH.md)
     verdict_banks = 0                    # centered_clip: > 0 (8 measured) lets a round's flags hold back its own
                                          # updates, at the price of their bank-mates; memory this x model
-    serve_average = 0.0                  # evaluate/keep an average of the last global models (0 = off)
+    serve_average = 0.75                 # evaluate/keep/serve an average of the global models (0 = the last one)
 
     [privacy]                            # user-level differential privacy (settings/privacy_settings.py)
     mode = "off"                         # off | central

@@ -75,7 +75,9 @@ class RoundSettings:
     # (aggregation/banks.py)
     verdict_banks: int = 0
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
-    serve_average: float = 0.0  # evaluate and keep an EMA of the global models with this decay; 0 = the last model
+    # evaluate, keep and release an EMA of the global models with this decay (devices still train from the last
+    # one); 0 = the last model. 0.75: one bad round moves the served model a quarter as far (bench/results/attacks.json)
+    serve_average: float = 0.75
     # where the global model is evaluated: "central" (the coordinator's test set), "devices" (each selected
     # device on its held-out slice, sample-weighted), "both", or "auto" (central when there is a test set,
     # else devices)
