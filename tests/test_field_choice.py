@@ -1,6 +1,9 @@
 """The rule that chooses the default across settings (bench/field_settings_report.choose)."""
 
+import pytest
+
 from bench.field_settings_report import choose, summarize
+from broker_coordinator.settings.round_settings import RoundSettings
 
 
 def _row(finals: list[float], passes: float) -> dict:
@@ -49,12 +52,23 @@ def test_no_candidate_says_why():
                                                   "why": "no row has every seed on every setting yet"}
 
 
-def test_summarize_keys_rows_by_client_and_server_optimizer():
+def test_summarize_keys_rows_by_client_and_server_optimizer_and_scores_the_served_model():
     record = {"setting": "s", "variant": "dynsam", "momentum": 0.0, "seed": 1, "accuracy": [0.5, 0.9, 0.88],
+              "ema_accuracy": {"0.75": [0.4, 0.8, 0.85]},
               "signals": [{"d": {"passes": 4}}], "deciding": {"server_optimizer": "adam"}, "commit": "abc"}
     plain = {**record, "variant": "fedavg", "deciding": {}, "signals": [{"d": {"passes": 2}}]}
     table = summarize([record, plain])["s"]
-    assert table["dynsam+sgd+adam"]["final_accuracy"] == [88.0]
-    assert table["dynsam+sgd+adam"]["final_minus_best_worst"] == -2.0
+    assert RoundSettings().serve_average == 0.75  # the served average is what the rows score
+    assert table["dynsam+sgd+adam"]["final_accuracy"] == [85.0]
+    assert table["dynsam+sgd+adam"]["final_minus_best_worst"] == 0.0
+    assert table["dynsam+sgd+adam"]["last_model_final"] == [88.0]
+    assert table["dynsam+sgd+adam"]["last_model_final_minus_best_worst"] == -2.0
     assert table["dynsam+sgd+adam"]["passes_vs_fedavg"] == 2.0
     assert table["fedavg+sgd"]["passes_vs_fedavg"] == 1.0
+
+
+def test_a_run_without_the_served_average_is_refused_with_what_to_do():
+    record = {"setting": "s", "variant": "fedavg", "momentum": 0.0, "seed": 1, "accuracy": [0.5, 0.9],
+              "signals": [{"d": {"passes": 2}}], "deciding": {}, "commit": "abc"}
+    with pytest.raises(ValueError, match=r"no served average at decay 0.75: rerun it"):
+        summarize([record])
