@@ -51,6 +51,7 @@ import os
 import random
 import sys
 import time
+import zlib
 
 import numpy as np
 
@@ -131,7 +132,7 @@ class Attack:
             return data
         if self.name == "label_flip":
             return Dataset(data.x, 9 - data.y)
-        rng = np.random.default_rng(abs(hash((device, self.seed))) % 2**32)
+        rng = np.random.default_rng(zlib.crc32(f"backdoor/{device}/{self.seed}".encode()))  # hash() varies by process
         half = rng.permutation(len(data))[: len(data) // 2]
         x, y = data.x.copy(), data.y.copy()
         x[half], y[half] = stamp(x[half]), BACKDOOR_CLASS

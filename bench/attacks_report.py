@@ -111,16 +111,14 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
             for p, by_run in grouped.items()}
     commits = sorted({r["commit"] for by_run in grouped.values() for cells in by_run.values()
                       for rs in cells.values() for r in rs})
-    varied = ("aggregator", "topology", "kinship", "verdict_banks", "agreement_floor", "serve_average")
-    settings = {k: v for k, v in provenance.deciding(RoundSettings()).items() if k not in varied}
+    stages = ("sign_quorum", "kinship", "verdict_banks", "agreement_floor", "serve_average")  # what FOLDS vary
+    rows = [RoundSettings(**FOLDS[f]) for f in folds]
+    settings = {k: v for k, v in provenance.deciding(RoundSettings()).items()
+                if k not in ("aggregator", "topology", *stages)}
     out = {"measured_with": provenance.measured_with(
         provenance.invoked(), settings, describes="defaults",
-        varies={"aggregator": [provenance.deciding(RoundSettings(**FOLDS[f]))["aggregator"] for f in folds],
-                "sign_quorum": [RoundSettings(**FOLDS[f]).sign_quorum for f in folds],
-                "kinship": [RoundSettings(**FOLDS[f]).kinship for f in folds],
-                "verdict_banks": [RoundSettings(**FOLDS[f]).verdict_banks for f in folds],
-                "agreement_floor": [RoundSettings(**FOLDS[f]).agreement_floor for f in folds],
-                "serve_average": [RoundSettings(**FOLDS[f]).serve_average for f in folds],
+        varies={"aggregator": [provenance.deciding(r)["aggregator"] for r in rows],
+                **{k: [getattr(r, k) for r in rows] for k in stages},
                 "topology": ["flat", "sites"]},
         codec_per_model=provenance.codecs_of(["mnist_mlp", "logreg60"]),
         run_commits=commits, partitions=[HEADLINE, SECOND], seeds=sorted({j[3] for j in jobs}),

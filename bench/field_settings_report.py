@@ -20,10 +20,8 @@ def row_key(record: dict) -> str:
     return f"{record['variant']}+{client}" + ("" if server == "sgd" else f"+{server}")
 
 
-def served_curve(record: dict) -> list[float]:
-    """A run's accuracy per round of the model the shipped coordinator serves (RoundSettings.serve_average)."""
-    from broker_coordinator.settings.round_settings import RoundSettings
-    decay = RoundSettings().serve_average
+def served_curve(record: dict, decay: float) -> list[float]:
+    """A run's accuracy per round of the model a coordinator with `serve_average = decay` serves."""
     if decay == 0:
         return record["accuracy"]
     if f"{decay:g}" not in record.get("ema_accuracy", {}):
@@ -42,10 +40,12 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
     for r in sorted(records, key=lambda r: r["seed"]):
         grouped.setdefault(r["setting"], {}).setdefault(row_key(r), []).append(r)
     table: dict[str, dict[str, dict]] = {}
+    from broker_coordinator.settings.round_settings import RoundSettings
+    decay = RoundSettings().serve_average  # the rows score what the shipped coordinator serves
     for setting, rows in sorted(grouped.items()):
         out = table.setdefault(setting, {})
         for row, runs in sorted(rows.items()):
-            curves = [served_curve(r) for r in runs]
+            curves = [served_curve(r, decay) for r in runs]
             finals = [round(100 * c[-1], 2) for c in curves]
             bests = [round(100 * max(c), 2) for c in curves]
             passes = mean([mean([m["passes"] for rnd in r["signals"] for m in rnd.values() if "passes" in m])

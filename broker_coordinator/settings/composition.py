@@ -37,6 +37,20 @@ def _private(s: RoundSettings) -> bool:
     return s.privacy.on
 
 
+def _centered_clip_stage(setting: str, reason: str) -> Rule:
+    """A stage of centered_clip's consensus (on when `setting` > 0) asked of a fold that keeps none."""
+    return Rule(f"{setting} + aggregator mean | gated_mean | trimmed_mean | median | geomed", "not built", reason,
+                lambda s, t: getattr(s, setting) > 0 and s.aggregator != "centered_clip",
+                f'{setting} = 0, or aggregator = "centered_clip"')
+
+
+def _beyond_the_clip(setting: str, reason: str) -> Rule:
+    """A stage (on when `setting` > 0) whose verdict on one device depends on the others' updates of the
+    round, under central privacy: its sensitivity would exceed the clip C the noise covers."""
+    return Rule(f"privacy central + {setting}", "mathematical", reason,
+                lambda s, t: _private(s) and getattr(s, setting) > 0, f"{setting} = 0")
+
+
 def _sam_family(s: RoundSettings) -> bool:
     """Whether the algorithm's client rule takes SAM's ascent step (it overrides `perturbation`)."""
     from edgefl_protocol import algorithms
@@ -96,36 +110,23 @@ RULES: tuple[Rule, ...] = (
          "round judge each coordinate their own way (trimmed_mean and median per coordinate already)",
          lambda s, t: s.sign_quorum > 0 and s.aggregator not in STREAMING,
          f"sign_quorum = 0, or aggregator = one of {', '.join(STREAMING)}"),
-    Rule('privacy central + sign_quorum', "mathematical",
-         "whether a coordinate moves depends on the other devices' votes of the same round, so one device can "
-         "switch a coordinate of the whole aggregate on or off: beyond the clip C the noise covers",
-         lambda s, t: _private(s) and s.sign_quorum > 0, "sign_quorum = 0"),
-    Rule('kinship + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
-         "the kinship flag is a stage of centered_clip's consensus (aggregation/consensus.py), which the other "
-         "folds do not keep",
-         lambda s, t: s.kinship > 0 and s.aggregator != "centered_clip", 'kinship = 0, or aggregator = "centered_clip"'),
-    Rule('privacy central + kinship', "mathematical",
-         "a device is flagged when its path is like another device's, so one device's updates can cut another's "
-         "weight: beyond the clip C the noise covers",
-         lambda s, t: _private(s) and s.kinship > 0, "kinship = 0"),
-    Rule('agreement_floor + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
-         "the floor is a margin of centered_clip's agreement stage (aggregation/consensus.py), which the other "
-         "folds do not keep",
-         lambda s, t: s.agreement_floor > 0 and s.aggregator != "centered_clip",
-         'agreement_floor = 0, or aggregator = "centered_clip"'),
-    Rule('privacy central + agreement_floor', "mathematical",
-         "the agreement stage flags a device by its cosines with the other devices' updates of the same round, "
-         "beyond the clip C the noise covers; the private fold runs without it",
-         lambda s, t: _private(s) and s.agreement_floor > 0, "agreement_floor = 0"),
-    Rule('verdict_banks + aggregator mean | gated_mean | trimmed_mean | median | geomed', "not built",
-         "the banks hold back what centered_clip's consensus flags (aggregation/banks.py); the other folds flag "
-         "nothing",
-         lambda s, t: s.verdict_banks > 0 and s.aggregator != "centered_clip",
-         'verdict_banks = 0, or aggregator = "centered_clip"'),
-    Rule('privacy central + verdict_banks', "mathematical",
-         "a bank is held back when another device's update in it is flagged, which depends on the other "
-         "updates of the round: beyond the clip C the noise covers",
-         lambda s, t: _private(s) and s.verdict_banks > 0, "verdict_banks = 0"),
+    _beyond_the_clip("sign_quorum", "whether a coordinate moves depends on the other devices' votes of the same "
+                     "round, so one device can switch a coordinate of the whole aggregate on or off: beyond the clip "
+                     "C the noise covers"),
+    _centered_clip_stage("kinship", "the kinship flag is a stage of centered_clip's consensus "
+                                    "(aggregation/consensus.py), which the other folds do not keep"),
+    _beyond_the_clip("kinship", "a device is flagged when its path is like another device's, so one device's "
+                                "updates can cut another's weight: beyond the clip C the noise covers"),
+    _centered_clip_stage("agreement_floor", "the floor is a margin of centered_clip's agreement stage "
+                                            "(aggregation/consensus.py), which the other folds do not keep"),
+    _beyond_the_clip("agreement_floor", "the agreement stage flags a device by its cosines with the other "
+                                        "devices' updates of the same round, beyond the clip C the noise covers; "
+                                        "the private fold runs without it"),
+    _centered_clip_stage("verdict_banks", "the banks hold back what centered_clip's consensus flags "
+                                          "(aggregation/banks.py); the other folds flag nothing"),
+    _beyond_the_clip("verdict_banks", "a bank is held back when another device's update in it is flagged, which "
+                                      "depends on the other updates of the round: beyond the clip C the noise "
+                                      "covers"),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,
