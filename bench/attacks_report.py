@@ -21,6 +21,8 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          # the default fold with the sign-vote stage (aggregation/votes.py): a coordinate moves only
                          # where 40% of the round's updates agree on its sign
                          "centered_clip+votes": {"sign_quorum": 0.4, **LAST},
+                         # the same, serving today's default average of the global models
+                         "centered_clip+votes+serve0.75": {"sign_quorum": 0.4},
                          # the default fold with its opt-in kinship flag (aggregation/consensus.py)
                          "centered_clip+kinship0.4": {"kinship": 0.4, **LAST},
                          # the round's flags reach its own updates (aggregation/banks.py), with and without kinship

@@ -11,16 +11,17 @@ folded, as it folded it (the verdict its receipt would carry), as the agent does
 (`edge_agent.settlement`).
 
 What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
-against `round_timeout` at its emulated speed), a device's speed is the host's calibrated
-throughput per CPU-second times its class's speed (`broker_coordinator.simulation.fleet.PROFILES`),
-measured once per process, and the codec's stochastic rounding is seeded by (device, round, run)
-instead of drawn from the OS. So two runs with the same host speed give the same model; the
-calibration (a few percent from one process to the next) can still change a device's epochs.
+against `round_timeout` at its emulated speed), a device's speed is the host's throughput per
+CPU-second (pinned in bench/host_speed.json: bench/host_speed.py) times its class's speed
+(`broker_coordinator.simulation.fleet.PROFILES`), and the codec's stochastic rounding is seeded by
+(device, round, run) instead of drawn from the OS. So two runs of the same federation give the
+same model.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 import zlib
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench import host_speed as host_speeds
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
 from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.round_settings import RoundSettings
@@ -38,10 +40,10 @@ from broker_coordinator.simulation.fleet import PROFILES
 from broker_coordinator.simulation.in_memory import fold_round
 from edge_agent.agent import local_settings
 from edge_agent.settlement import Sent, apply_verdict
-from edge_agent.hardware import calibrate, plan_epochs
+from edge_agent.hardware import plan_epochs
 from edge_agent.training import train_locally
 from edgefl_protocol import algorithms, codec, messages, signing
-from models.architectures import build_model, resolve, set_weights
+from models.architectures import build_model, set_weights
 from models.datasets import Dataset
 
 FED = "bench"
@@ -50,13 +52,17 @@ _host_speed: dict[str, float] = {}
 
 
 def host_speed(arch: str) -> float:
-    """Training samples per CPU-second of one thread of this machine for `arch` (calibrated once per
-    process). CPU time, not wall time: by wall time a worker calibrated beside other jobs (the
-    benchmarks' own --jobs 2) measured the MNIST MLP at 1,083 samples/s instead of 3,067 and gave its
-    emulated devices fewer epochs than a worker on a quiet machine; by CPU time, 3,087 and 3,521."""
+    """Training samples per CPU-second of one thread for `arch`: pinned in bench/host_speed.json
+    (bench/host_speed.py says why), else calibrated once per process by CPU time, not wall time (by
+    wall time a worker beside other jobs measured the MNIST MLP at 1,083 samples/s instead of 3,067)."""
     if arch not in _host_speed:
-        model = build_model(arch)
-        _host_speed[arch] = calibrate(model, resolve(arch).input_shape, max_steps=2000, clock=time.thread_time)
+        speed = host_speeds.pinned().get(arch)
+        if speed is None:
+            logging.getLogger(__name__).warning("no pinned host speed for %s: calibrating in this process, so its "
+                                                "devices' epochs may differ from another run's "
+                                                "(python -m bench.host_speed --pin)", arch)
+            speed = host_speeds.calibrate(arch)
+        _host_speed[arch] = speed
     return _host_speed[arch]
 
 
