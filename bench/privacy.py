@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-average", type=float, default=0.0,
                     help="1000of10000: [rounds] serve_average, the decay of the evaluated moving average of the "
                          "global models (0: the last model); it averages out a period-2 oscillation")
-    ap.add_argument("--server-optimizer", choices=("sgd", "momentum"), default="sgd",
+    ap.add_argument("--server-optimizer", choices=("sgd", "momentum", "adam", "yogi", "adagrad"), default="sgd",
                     help="1000of10000: [rounds] server_optimizer on the (private) folded step")
     ap.add_argument("--server-lr", type=float, default=None,
                     help="1000of10000: [rounds] server_lr (default: the optimizer's, 1 - momentum for momentum)")
