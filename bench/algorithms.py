@@ -113,7 +113,8 @@ def run_job(job: Job) -> dict:
               "host_samples_per_s": inmemory.host_speed(fed.arch), "rounds": fed.rounds,
               "clients_per_round": fed.clients_per_round, "commit": provenance.commit(),
               "command": provenance.invoked(),
-              "accuracy": result.accuracy, "ema_accuracy": result.ema_accuracy, "loss": result.loss,
+              "accuracy": result.accuracy, "served_accuracy": result.served_accuracy,
+              "ema_accuracy": result.ema_accuracy, "loss": result.loss,
               "local_seconds": result.local_seconds, "signals": result.signals, "records": result.records,
               "wall_seconds": time.time() - started}
     record["measured_with"] = run_measured_with(record)

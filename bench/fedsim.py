@@ -34,6 +34,8 @@ class Federation:
 
 @dataclass
 class RunResult:
+    # the last global model's accuracy and loss per round (what devices train from), whatever the
+    # coordinator serves: the rows of bench/algorithms.py and bench/field_settings.py read it so
     accuracy: list[float]
     loss: list[float]
     local_seconds: list[float]                      # one per client-round
@@ -42,6 +44,9 @@ class RunResult:
     # average instead of the last model would give any algorithm (measured beside, never fed back)
     ema_accuracy: dict[str, list[float]] = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)  # per round: participants, clipped, rejected
+    # what the coordinator evaluated: its served average (`serve_average`, 0.75 by default), or the
+    # last model when serve_average = 0
+    served_accuracy: list[float] = field(default_factory=list)
 
 
 EMA_DECAYS = (0.5, 0.75, 0.9)
@@ -61,8 +66,14 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
         record = sim.round(round_no)
         if record is None:  # nothing accepted: the model stands
             accuracy, loss = (result.accuracy[-1], result.loss[-1]) if result.accuracy else (0.0, float("nan"))
+            result.served_accuracy.append(result.served_accuracy[-1] if result.served_accuracy else 0.0)
         else:
             accuracy, loss = record.accuracy, record.loss
+            result.served_accuracy.append(record.accuracy)
+            if settings.serve_average:  # the coordinator scored its served average: score the last model too
+                set_weights(served, coordinator.weights)
+                last = objective.evaluate(served, fed.test)
+                accuracy, loss = last.score, last.loss
             result.records.append({"round": round_no, "participants": record.participants,
                                    "clipped": dict(record.clipped), "rejected": dict(record.rejected)})
             for device, metrics in record.devices.items():

@@ -199,7 +199,11 @@ def enroll(token_text: str, config_path: Path = DEFAULT_CONFIG, data: str | None
         when = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(token.expires))
         raise EnrollError(f"this token expired at {when}: ask the operator for a new one "
                           f"('broker-coordinator devices rotate {token.device}')")
-    config_path = Path(config_path)
+    # absolute, so that the service (systemd starts it in /) and a run from another directory read
+    # the same files the operator named here
+    config_path = Path(config_path).absolute()
+    state_dir = str(Path(state_dir).absolute())
+    data = str(Path(data).absolute()) if data else None
     check_writable(config_path)
     ca = str(fetch_ca(token, ca_file, config_path.parent / "ca.crt")) if token.tls else None
 

@@ -51,7 +51,9 @@ def render_unit(config: Path, memory_max: str = DEFAULT_MEMORY_MAX, template: Pa
         text = template.read_text()
     except OSError:
         raise ServiceError(f"unit template {template} is missing: reinstall the edgefl wheel") from None
-    text = re.sub(r"^LoadCredential=agent.toml:.*$", f"LoadCredential=agent.toml:{config}", text, flags=re.M)
+    # systemd wants an absolute path here (a relative one would be read from /)
+    text = re.sub(r"^LoadCredential=agent.toml:.*$", f"LoadCredential=agent.toml:{Path(config).absolute()}", text,
+                  flags=re.M)
     text = re.sub(r"^MemoryMax=.*$", f"MemoryMax={memory_max}", text, flags=re.M)
     text = re.sub(r"^ExecStart=\S+", f"ExecStart={command or exec_start_prefix()}", text, count=1, flags=re.M)
     return text

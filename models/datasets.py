@@ -178,7 +178,8 @@ def load(name: str, num_users: int = 30, seed: int = 0) -> FederatedData:
     raise DatasetError(f"unknown dataset {name!r}; choose mnist5k, digits or synthetic[:ALPHA,BETA]")
 
 
-def save_npz(path: Path, data: Dataset) -> None:
+def save_npz(path: Path | str, data: Dataset) -> None:
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, x=data.x, y=data.y)
 

@@ -74,6 +74,15 @@ def test_enroll_writes_a_private_config_that_connects(server, desk, tmp_path):
     client.loop_stop()
 
 
+def test_relative_paths_are_written_absolute(server, desk, tmp_path, monkeypatch):
+    """The service runs from /, so a config that says "a07/data.npz" would name another file there."""
+    monkeypatch.chdir(tmp_path)
+    done = enroll(server.add("pi-07"), Path("a07/agent.toml"), state_dir="a07")
+    assert done.config == tmp_path / "a07" / "agent.toml"
+    agent = load_agent_config(done.config)
+    assert Path(agent.device.state_dir) == tmp_path / "a07"
+
+
 def test_token_cannot_be_used_twice(server, desk, tmp_path):
     text = server.add("pi-07")
     enroll(text, tmp_path / "first.toml", state_dir=str(tmp_path))

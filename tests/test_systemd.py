@@ -130,3 +130,10 @@ def test_install_service_as_root_checks_enrollment_and_systemd(monkeypatch, tmp_
     monkeypatch.setattr(service.Path, "is_dir", lambda self: False if str(self) == "/run/systemd/system" else True)
     code, text = service.install(tmp_path / "agent.toml", "70%", dry_run=False, dest=tmp_path / "unit")
     assert code == 1 and "systemd is not running" in text and not (tmp_path / "unit").exists()
+
+
+def test_a_relative_config_path_is_rendered_absolute(tmp_path, monkeypatch):
+    """systemd reads LoadCredential= paths from /, not from where install-service ran."""
+    monkeypatch.chdir(tmp_path)
+    text = service.render_unit(Path("a07/agent.toml"), command="/usr/bin/edge-agent")
+    assert f"LoadCredential=agent.toml:{tmp_path}/a07/agent.toml" in text.splitlines()

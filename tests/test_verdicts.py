@@ -285,3 +285,49 @@ def test_a_commit_with_no_later_receipt_stands(tmp_path):
     device, delta = _committed_update(tmp_path)
     device._settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
     np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], delta["w"])
+
+
+def test_status_shows_a_revoked_device_as_revoked_not_online(tmp_path):
+    """Revoking drops a device's broker login, and its last will (on a topic its ACL no longer grants)
+    never lands, so its stored presence still says online: status must say revoked."""
+    from broker_coordinator.access.registry import Registry
+    from broker_coordinator.cli.service import status
+    from broker_coordinator.settings.config import load_config
+    from edgefl_protocol.settings import to_toml
+    test_a_reversed_update_is_left_out_by_gated_mean_and_told_so_after_the_close(tmp_path)  # d1-d4 online
+    config = tmp_path / "c.toml"
+    config.write_text(to_toml({"federation": {"name": FED, "model": "digits_mlp", "test_data": "unused.npz"},
+                               "broker": {"password": "x"}, "storage": {"state_dir": str(tmp_path / "state")}}))
+    loaded = load_config(config, with_rounds=False)
+    registry = Registry(loaded.registry_path)
+    for device in DEVICES:
+        registry.add(device, FED, "hash", "00", f"token-{device}", time.time() + 60)
+        registry.activate(device, f"token-{device}", "hash")
+    registry.revoke("d4")
+    lines: list[str] = []
+    status(loaded, lines.append)
+    assert f"devices: {len(DEVICES) - 1} online of {len(DEVICES)} seen (1 of them revoked)" in lines
+    assert " revoked " in next(line for line in lines if "d4" in line)
+    assert " online " in next(line for line in lines if "d1" in line)
+
+
+def test_a_cleared_retained_status_is_stored_as_offline(tmp_path):
+    """`devices revoke` and `rotate` clear the device's retained status (the broker drops the session
+    without its will): the stored presence, which status reads, must say offline too."""
+    c = _coordinator(tmp_path, aggregator="mean", norm_bound=0)
+    c.store.record_presence("d1", True, {"cores": 4})
+    c._on_status("d1", b"")
+    (row,) = [d for d in c.store.devices() if d["device"] == "d1"]
+    assert row["online"] == 0 and "cores" in row["profile"]  # offline, its last profile kept
+
+
+def test_devices_asked_to_evaluate_that_report_nothing_get_one_warning_that_says_what_to_do(tmp_path, caplog):
+    """No test set, so the devices evaluate; agents enrolled with the `[device] data` shorthand hold out
+    nothing and report no score. The coordinator says so once, with the setting that fixes it."""
+    c = Coordinator(FED, "digits_mlp", None, RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean"),
+                    store=Store(tmp_path / "state"), device_keys={d: KEY for d in DEVICES})
+    c.session = Receipts()
+    for round_no in (1, 2):
+        fold_round(c, {"d1": _update(c, "d1", _direction(c), round_no=round_no)}, round_no)
+    said = [r.getMessage() for r in caplog.records if "none reported a score" in r.getMessage()]
+    assert len(said) == 1 and "[data] holdout" in said[0] and "test_data" in said[0]

@@ -70,7 +70,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                 continue
             if tracker:
                 tracker.round(record)
-            echo(format_round(record_dict(record), fed.rounds or record.round))
+            echo(format_round(record_dict(record), fed.rounds))
         failed = False
     finally:
         desk.stop()
@@ -128,6 +128,14 @@ def _device_epsilon(profile: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _revoked(config: CoordinatorConfig) -> set[str]:
+    """The registry's revoked devices (none when no device was ever enrolled here)."""
+    from broker_coordinator.access.registry import REVOKED, Registry
+    if not config.registry_path.exists():
+        return set()
+    return {d.name for d in Registry(config.registry_path).devices() if d.state == REVOKED}
+
+
 def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     store = Store(config.storage.state_dir)
     try:
@@ -153,14 +161,19 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
              + (f" of target_epsilon {target:g}" if target else "")
              + (f"; budget spent: the next round would reach {after:.4g}, so no further round opens"
                 if target and after is not None and after > target else ""))
-    online = sum(1 for d in devices if d["online"])
-    echo(f"devices: {online} online of {len(devices)} seen")
+    # a revoked device's last presence may still say online: its broker login is gone, and its last
+    # will (on a topic its ACL no longer grants) never lands
+    revoked = _revoked(config)
+    online = sum(1 for d in devices if d["online"] and d["device"] not in revoked)
+    gone = sum(1 for d in devices if d["device"] in revoked)
+    echo(f"devices: {online} online of {len(devices)} seen" + (f" ({gone} of them revoked)" if gone else ""))
     for d in devices:
         seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
         # by the fold's verdict: a left-out update is accepted but contributed nothing
         unjudged = f", other accepted answers {d['unjudged']}" if d["unjudged"] else ""
         epsilon = _device_epsilon(d.get("profile"))
-        echo(f"  {d['device']:<24} {'online ' if d['online'] else 'offline'}  last seen {seen}  "
+        state = "revoked" if d["device"] in revoked else "online " if d["online"] else "offline"
+        echo(f"  {d['device']:<24} {state}  last seen {seen}  "
              f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}"
              + (f", its own DP-SGD epsilon {epsilon:.4g}" if epsilon is not None else ""))
     return 0

@@ -265,7 +265,7 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
             self.on_state(rnd)
         if len(cohort) < s.min_updates:
             self._set_state(rnd, RoundState.ABANDONED,
-                            f"only {len(cohort)} devices online and idle, quorum is {s.min_updates}")
+                            f"only {len(cohort)} device(s) online and idle, quorum is {s.min_updates}")
             return rnd
         self._publish_model(deadline)
         task = messages.Task(round_no, self.version, deadline, s.algorithm, s.task_hparams(round_no),
@@ -405,6 +405,13 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
                 self.metrics.accuracy.set(central.score)
         if record.federated:
             self.metrics.score.labels(record.federated["metric"], "devices").set(record.federated["score"])
+        elif (central is None and self.evaluate_devices and record.participants
+              and not getattr(self, "_said_unscored", False)):
+            self._said_unscored = True  # once per process: every such round would say the same
+            log.warning("round %d: the devices were asked to evaluate and none reported a score, so no "
+                        "accuracy is measured; an agent evaluates on the data it holds out ([data] holdout = 0.2 "
+                        "in its agent.toml: the [device] data shorthand that `edge-agent enroll` writes holds out "
+                        "none), or give this coordinator a test set ([federation] test_data)", round_no)
         self.metrics.round.set(round_no)
         return record
 

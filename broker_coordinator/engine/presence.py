@@ -25,8 +25,10 @@ class DevicePresence:
     """Uses the coordinator's online, pending_until, pending_round, admission, store, metrics and _drain."""
 
     def _on_status(self, device: str, payload: bytes) -> None:
-        if not payload:
+        if not payload:  # its retained status cleared (`devices revoke` and `rotate` do, the broker sends no will)
             self.online.pop(device, None)
+            if self.store:
+                self.store.record_presence(device, False, {})
             return
         try:
             status = messages.decode_status(payload)

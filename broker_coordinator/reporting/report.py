@@ -90,7 +90,8 @@ def metric_figure(rounds: list[dict[str, Any]], title: str):  # noqa: ANN201 (a 
 
 
 def format_round(record: dict[str, Any], rounds: int) -> str:
-    width = len(str(rounds))
+    """One line per round; `rounds` 0 (a federation that runs until stopped) prints no total."""
+    width = len(str(rounds or record["round"]))
     rejected = sum(record["rejected"].values())
     extra = f"  rejected {rejected}" if rejected else ""
     bounded = record.get("clipped") or {}
@@ -108,5 +109,6 @@ def format_round(record: dict[str, Any], rounds: int) -> str:
         measured += f"  loss {record['loss']:.4f}"
     if (record.get("privacy") or {}).get("epsilon") is not None:
         extra += f"  epsilon {record['privacy']['epsilon']:.3f}"
-    return (f"round {record['round']:>{width}}/{rounds}  participants {record['participants']:>3}/{record['selected']:<3} "
+    total = f"/{rounds}" if rounds else ""
+    return (f"round {record['round']:>{width}}{total}  participants {record['participants']:>3}/{record['selected']:<3} "
             f"{measured}  up {record['bytes_up'] / 1e6:7.2f} MB  {record['seconds']:6.1f} s{extra}")

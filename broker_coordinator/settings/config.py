@@ -33,7 +33,7 @@
     message_size_limit = 0               # bytes; 0 = sized to the model
 
     [rounds]                             # every field of coordinator.RoundSettings
-    clients_per_round = 10               # 0 (the default) = every eligible device
+    clients_per_round = 10               # 0 (the default): every eligible device
     min_updates = 1                      # quorum to close a round at its deadline
     round_timeout = 300.0
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
