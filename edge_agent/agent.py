@@ -270,8 +270,7 @@ class Agent(ModelFetch, Settlement):
         if len(data.train) == 0 and task.train:
             raise Rejected("data_unusable", f"no training samples yet ({source.describe()})")
         self.profile["samples"] = len(data.train)
-        log.info("round %d: local data: %s (%d to train, %d held out)", task.round, source.describe(),
-                 len(data.train), len(data.held_out))
+        log.info("round %d: local data: %s", task.round, source.describe())  # describe() has the counts
         return data
 
     def _evaluate(self, task: messages.Task, model: torch.nn.Module, data: LocalData,

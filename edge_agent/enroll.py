@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import ssl
 import threading
@@ -50,8 +51,10 @@ def check_writable(path: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise EnrollError(f"cannot write {path} ({exc.strerror}): run as root (sudo edge-agent enroll ...) "
-                          "or choose another path with --config PATH") from None
+        as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+        raise EnrollError(f"cannot write {path} ({exc.strerror}): "
+                          + ("" if as_root else "run as root (sudo edge-agent enroll ...) or ")
+                          + "choose another path with --config PATH") from None
 
 
 def fetch_ca(token: proto.EnrollmentToken, ca_file: Path | None, dest: Path) -> Path:

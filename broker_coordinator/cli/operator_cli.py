@@ -44,12 +44,18 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _common(listing)
     listing.set_defaults(run=run_list)
 
-    revoke = dsub.add_parser("revoke", help="remove a device's credentials, kick its session, reject its updates")
+    revoke = dsub.add_parser("revoke", help="remove a device's credentials, kick its session, reject its updates",
+                             description="Remove the device's broker credentials (Mosquitto reloads and drops its "
+                                         "session), clear its retained status, and reject its updates from now on. "
+                                         "A revoked name stays revoked: enroll the device again under a new name.")
     revoke.add_argument("name")
     _common(revoke)
     revoke.set_defaults(run=run_revoke)
 
-    rotate = dsub.add_parser("rotate", help="new credentials and signing key; prints a new enrollment token")
+    rotate = dsub.add_parser("rotate", help="new credentials and signing key; prints a new enrollment token",
+                             description="Issue the device new broker credentials, a new signing key and a one-time "
+                                         "enrollment token (printed); its old credentials stop working at once. On the "
+                                         "device: edge-agent enroll TOKEN, then restart the agent.")
     rotate.add_argument("name")
     _common(rotate)
     rotate.set_defaults(run=run_rotate)
