@@ -174,10 +174,11 @@ def report(records: list[dict], variants: dict, default: str, results: Path, out
     schema = {"default_algorithm": runtime_default or default, "our_algorithm": default, "settings": {}}
     details: dict = {"served_average_decay": float(SERVED_DECAY), "settings": {}}
     lines = [f"# Algorithm benchmark ({out_prefix})", "", "PIPELINE", "",
-             "Final test accuracy after the last round, mean +- std over seeds (the `seeds` column says how many). "
-             f"'served avg' is the final accuracy of an exponential moving average (decay {SERVED_DECAY}) of the "
-             "global models, measured beside every run and never fed back: what serving an average instead of the "
-             "last model would give (over the seeds that recorded it). Rounds to 90% of the best final accuracy in "
+             "Final test accuracy of the last global model (what devices train from), mean +- std over seeds (the "
+             f"`seeds` column says how many). 'served avg' is the final accuracy of an exponential moving average "
+             f"(decay {SERVED_DECAY}) of the global models, measured beside every run and never fed back: what a "
+             "coordinator serves and evaluates with `serve_average` at that decay (the default; "
+             "over the seeds that recorded it). Rounds to 90% of the best final accuracy in "
              "the setting are read on the seed-mean curve. Local seconds per client-round are medians recorded "
              "during the runs, with other runs sharing the 2 cores, so they are noisy: bench/local_cost.py measures "
              "time under equal conditions, and 'passes' (forward-backward passes per client-round) is the "
