@@ -223,17 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="serve rounds for a real fleet, as configured (the systemd service runs this)",
                          description="Connect to the broker named in the config and run rounds until the "
                                      "configured count or SIGTERM. Resumes from the last checkpoint in state_dir.")
-    run.add_argument("--config", required=True, help="coordinator TOML config (keys: broker_coordinator/settings/config.py)")
+    default_config = "default /etc/edgefl/coordinator.toml or $EDGEFL_COORDINATOR_CONFIG"
+    run.add_argument("--config", default=None,
+                     help=f"coordinator TOML config (keys: broker_coordinator/settings/config.py; {default_config})")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
-    stat.add_argument("--config", required=True, help="coordinator TOML config")
+    stat.add_argument("--config", default=None, help=f"coordinator TOML config ({default_config})")
     stat.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     back = sub.add_parser("rollback", help="make an earlier round's kept checkpoint the live model",
                           description="Stop the coordinator first. The kept checkpoint of ROUND (the last "
                                       "[storage] keep_checkpoints rounds are kept) becomes the live one under a new "
                                       "model version; the next 'run' resumes at ROUND + 1. Later rounds stay in the "
                                       "history, marked by a rollback row.")
-    back.add_argument("--config", required=True, help="coordinator TOML config")
+    back.add_argument("--config", default=None, help=f"coordinator TOML config ({default_config})")
     back.add_argument("--to", type=_bounded(int, 1), required=True, metavar="ROUND", help="the round to go back to")
     back.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     site = sub.add_parser("site-aggregator", help="aggregate a site's updates beside its broker (see sites.py)",
@@ -356,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             from broker_coordinator.cli import site_service
             return site_service.run(args.config, args.worker, lambda line: print(line, flush=True))
         from broker_coordinator.cli import service
+        from broker_coordinator.cli.operator_cli import config_path
         from broker_coordinator.settings.config import load_config
-        config = load_config(args.config)
+        config = load_config(config_path(args.config))
         echo = lambda line: print(line, flush=True)  # noqa: E731
         if args.command == "rollback":
             return service.rollback(config, args.to, echo)

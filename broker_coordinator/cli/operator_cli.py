@@ -83,10 +83,15 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(run=run_serve_enrollment)
 
 
+def config_path(given: str | Path | None) -> Path:
+    """--config, else $EDGEFL_COORDINATOR_CONFIG, else /etc/edgefl/coordinator.toml: one rule for every
+    subcommand that reads the coordinator's config."""
+    return Path(given) if given else Path(os.environ.get(f"{ENV_PREFIX}_CONFIG", DEFAULT_PATH))
+
+
 def _config(args: argparse.Namespace):  # noqa: ANN202 - a CoordinatorConfig
-    """--config, else $EDGEFL_COORDINATOR_CONFIG, else /etc/edgefl/coordinator.toml; [rounds] is not
-    needed here (and would import torch)."""
-    return load_config(args.config or Path(os.environ.get(f"{ENV_PREFIX}_CONFIG", DEFAULT_PATH)), with_rounds=False)
+    """The coordinator config ([rounds] is not needed here, and would import torch)."""
+    return load_config(config_path(args.config), with_rounds=False)
 
 
 def _print_token(name: str, text: str, token, note: str) -> None:  # noqa: ANN001
