@@ -84,8 +84,13 @@ def run(fed: Federation, settings: RoundSettings, seed: int, mirror_agent_seed: 
         result.accuracy.append(accuracy)
         result.loss.append(loss)
         for decay, average in averages.items():
-            set_weights(served, average.update(coordinator.weights))
-            result.ema_accuracy.setdefault(str(decay), []).append(objective.evaluate(served, fed.test).score)
+            weights = average.update(coordinator.weights)
+            if record is not None and decay == settings.serve_average:  # the coordinator scored this average
+                score = record.accuracy
+            else:
+                set_weights(served, weights)
+                score = objective.evaluate(served, fed.test).score
+            result.ema_accuracy.setdefault(str(decay), []).append(score)
         if progress:
             progress(round_no, accuracy)
     return result

@@ -14,14 +14,16 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
                             description="Redeem the token printed by 'broker-coordinator devices add NAME', write "
                                         "the agent config (mode 0600) and check that the new credentials connect.")
     enroll.add_argument("token")
-    enroll.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="where to write the agent config (default: %(default)s)")
+    enroll.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                        help="where to write the agent config (default: %(default)s)")
     enroll.add_argument("--data", default=None, help="the device's data file (.npz with x and y); "
                                                       "default STATE_DIR/data.npz")
     enroll.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
                         help="where the agent keeps its state (default: %(default)s)")
     enroll.add_argument("--ca-file", type=Path, default=None,
                         help="with TLS: the CA certificate (default: the broker's own, pinned by the token)")
-    enroll.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the coordinator (default: %(default)s)")
+    enroll.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to wait for the coordinator (default: %(default)s)")
     enroll.set_defaults(handler=run_enroll)
 
     install = sub.add_parser("install-service", help="install and enable the systemd unit",

@@ -129,10 +129,12 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         # round opens, to the sites too), and the radius' history of distances from it
         self.center: dict[str, np.ndarray] | None = None
         self.radius = NormBound(settings.norm_bound or 1.5)
-        self.consensus = Consensus(settings.kinship, settings.agreement_floor)  # centered_clip: devices' standing by agreement with their rounds
+        # centered_clip: devices' standing by agreement with their rounds
+        self.consensus = Consensus(settings.kinship, settings.agreement_floor)
         self.attempts: dict[int, int] = {}  # round -> last attempt number used (continues across restarts)
         self._admitted: tuple[float, set[str] | None] = (0.0, None)  # (when, devices the registry admits)
         self._presence_settled = False
+        self._said_unscored = False  # warned that devices asked to evaluate reported no score (once a process)
         # device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects
         # unknown and revoked devices. None: every device the broker lets in is admitted (simulate).
         self.admission: Callable[[str], tuple[str, str] | None] | None = None
@@ -405,9 +407,8 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
                 self.metrics.accuracy.set(central.score)
         if record.federated:
             self.metrics.score.labels(record.federated["metric"], "devices").set(record.federated["score"])
-        elif (central is None and self.evaluate_devices and record.participants
-              and not getattr(self, "_said_unscored", False)):
-            self._said_unscored = True  # once per process: every such round would say the same
+        elif central is None and self.evaluate_devices and record.participants and not self._said_unscored:
+            self._said_unscored = True  # every such round would say the same
             log.warning("round %d: the devices were asked to evaluate and none reported a score, so no "
                         "accuracy is measured; an agent evaluates on the data it holds out ([data] holdout = 0.2 "
                         "in its agent.toml: the [device] data shorthand that `edge-agent enroll` writes holds out "

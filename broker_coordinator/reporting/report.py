@@ -110,5 +110,6 @@ def format_round(record: dict[str, Any], rounds: int) -> str:
     if (record.get("privacy") or {}).get("epsilon") is not None:
         extra += f"  epsilon {record['privacy']['epsilon']:.3f}"
     total = f"/{rounds}" if rounds else ""
-    return (f"round {record['round']:>{width}}{total}  participants {record['participants']:>3}/{record['selected']:<3} "
+    return (f"round {record['round']:>{width}}{total}  "
+            f"participants {record['participants']:>3}/{record['selected']:<3} "
             f"{measured}  up {record['bytes_up'] / 1e6:7.2f} MB  {record['seconds']:6.1f} s{extra}")
