@@ -31,6 +31,8 @@ class Job:
     split: str = "test"       # "test" or "validation"
     rounds: int | None = None
     server: str = ""          # [rounds] server_optimizer; "" is the default (sgd at rate 1)
+    host_speed: float = 0.0   # samples/CPU-s an emulated device's class speed multiplies; 0: the pinned one
+    pipeline: str = PIPELINE  # the cache directory: runs in another pipeline measured something else
 
     @property
     def key(self) -> str:
@@ -40,4 +42,4 @@ class Job:
     @property
     def path(self) -> Path:
         split = f"{self.split}_r{self.rounds}" if self.rounds else self.split
-        return RUNS / split / self.setting / f"{self.key}_s{self.seed}.json"
+        return RESULTS / "algorithms_runs" / self.pipeline / split / self.setting / f"{self.key}_s{self.seed}.json"

@@ -104,6 +104,8 @@ def run_job(job: Job) -> dict:
                        momentum=job.momentum, hparams=dict(job.variant.hparams), round_timeout=ROUND_TIMEOUT,
                        server_optimizer=job.server or "sgd")
     fleet = fleet_for(len(fed.clients), job.seed)
+    if job.host_speed:  # a run paired with a cached one measured at its own host's speed
+        inmemory.pin_host_speed(fed.arch, job.host_speed)
     started = time.time()
     result = fedsim.run(fed, rs, seed=job.seed, keep_signals=True, fleet=fleet)
     record = {"setting": job.setting, "variant": job.variant.name, "algorithm": job.variant.algorithm,

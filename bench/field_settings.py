@@ -39,7 +39,9 @@ import multiprocessing
 import sys
 
 from . import provenance
-from .algorithm_jobs import MOMENTUM, RESULTS, Job
+from dataclasses import replace
+
+from .algorithm_jobs import MOMENTUM, RESULTS, Job, Variant
 from .algorithms import BASELINES, DEFAULT, ROUND_TIMEOUT, fleet_spec, run_job
 from .field_settings_report import MAX_PASSES, choose, markdown, summarize
 from .settings import DIGITS_LABEL_SKEW, HEADLINE, SYNTHETIC
@@ -48,7 +50,13 @@ SETTINGS = [HEADLINE, SYNTHETIC, DIGITS_LABEL_SKEW]
 CHEAP = [SYNTHETIC, DIGITS_LABEL_SKEW]  # seconds a run: every row runs there
 SEEDS = (1, 2, 3)
 SERVERS = ("momentum", "adam", "yogi", "adagrad")
-VARIANTS = {v.name: v for v in BASELINES + [DEFAULT]}
+# `dynsam` with a leaky dual (feddyn.py's dual_decay), beta chosen on a validation split of the cheap
+# settings (bench/probe_dual.py --validation; docs/RESEARCH.md "The default across settings")
+LEAKY = Variant("dynsam-leaky", "dynsam", (("dual_decay", 0.96),), "leaky dual, beta 0.96")
+VARIANTS = {v.name: v for v in BASELINES + [DEFAULT, LEAKY]}
+# Runs made with the host speed pinned (bench/host_speed.json) at today's engine; the runs in
+# algorithms_runs/shipped_fold/ were each measured at its own process's calibrated speed, by older code.
+PIPELINE = "pinned_speed"
 PHASES = ("sgd", "server", "momentum", "fedavg-server")
 SCREENED = ("server", "fedavg-server")  # the headline's seeds 2-3 only for rows that pass the screen
 SCREEN_POINTS = 5.0  # a server row this far below its own row without it on seed 1 gets no more headline seeds
@@ -57,7 +65,7 @@ SCREEN_POINTS = 5.0  # a server row this far below its own row without it on see
 def job(setting: str, row: str, seed: int) -> Job:
     name, client, *server = row.split("+")
     return Job(setting, VARIANTS[name], MOMENTUM if client == "momentum" else 0.0, seed,
-               server=server[0] if server else "")
+               server=server[0] if server else "", pipeline=PIPELINE)
 
 
 def rows_of(phase: str, best: str) -> list[str]:
@@ -83,12 +91,17 @@ def plan(phase: str, best: str) -> list[Job]:
     return jobs
 
 
+def plan_rows(rows: list[str]) -> list[Job]:
+    """Only these rows, on every setting and seed: seed by seed, the cheap settings first."""
+    return [job(setting, row, seed) for seed in SEEDS for setting in CHEAP + [HEADLINE] for row in rows]
+
+
 def screened(j: Job) -> bool:
     """Whether the headline row of `j` (a server optimizer's) earned more seeds: its seed 1 ended within
     SCREEN_POINTS of the same row without the server optimizer (2 cores cannot spend an hour on a row that
     is already far behind: dynsam with server momentum ended its first seed at 36.5%, against 96.2%)."""
-    first = Job(j.setting, j.variant, j.momentum, SEEDS[0], server=j.server)
-    base = Job(j.setting, j.variant, j.momentum, SEEDS[0])
+    first = replace(j, seed=SEEDS[0])
+    base = replace(j, seed=SEEDS[0], server="")
     if not (first.path.exists() and base.path.exists()):
         return False
     final = [json.loads(x.path.read_text())["accuracy"][-1] for x in (first, base)]
@@ -158,8 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, in order: {', '.join(PHASES)}")
     p.add_argument("--workers", type=int, default=2, help="runs at a time (default 2: one per core here)")
+    p.add_argument("--rows", default="", help="run only these rows (comma-separated ALGORITHM+CLIENT[+SERVER], "
+                   f"ALGORITHM one of {', '.join(VARIANTS)}) on every setting, instead of the phases")
     p.add_argument("--report", action="store_true", help="only rebuild the report from the cached runs")
     args = p.parse_args(argv)
+    if args.rows:
+        rows = [r for r in args.rows.split(",") if r]
+        unknown = [r for r in rows if r.split("+")[0] not in VARIANTS]
+        if unknown:
+            p.error(f"--rows: unknown algorithm in {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+        run(plan_rows(rows), args.workers)
+        args.report = True
     phases = [x for x in args.phases.split(",") if x]
     wrong = set(phases) - set(PHASES)
     if wrong:

@@ -66,6 +66,12 @@ def host_speed(arch: str) -> float:
     return _host_speed[arch]
 
 
+def pin_host_speed(arch: str, samples_per_cpu_s: float) -> None:
+    """Emulate this process's devices at a given host speed (a run paired with a cached run made before
+    the speed was pinned: same speed, same epochs, so only what the pair varies differs)."""
+    _host_speed[arch] = samples_per_cpu_s
+
+
 @dataclass
 class Trained:
     """One device's work of a round, before the coordinator's verdict."""

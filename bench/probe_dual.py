@@ -8,6 +8,7 @@ default across settings").
     python -m bench.probe_dual --epochs 2                                        # fixed local epochs
     python -m bench.probe_dual --dynsam dual=0                                   # a dynsam hyper-parameter
     python -m bench.probe_dual --dual-decay 0.9                                  # h_k and H shrink by 0.9 a round
+    python -m bench.probe_dual --dynsam dual_decay=0.95                          # the shipped leaky dual
 
 `--dual-decay` patches FedDyn's dual in this process only (the client's h_k <- beta h_k + delta and the
 server's H <- beta H + share x mean delta, so the two stay in step); it is not a shipped option.
@@ -21,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-SERVED = "0.75"
+SERVED = "0.75"  # the shipped serve_average
 
 
 def decay_the_dual(beta: float) -> None:
@@ -54,12 +55,14 @@ def one(job: tuple) -> tuple:
     if args.dual_decay != 1.0:
         decay_the_dual(args.dual_decay)
     fed = settings.SETTINGS[setting]()
+    if args.validation:  # choose on held-out training data, never on the test set the field rows report
+        fed.clients, fed.test = fedsim.split_validation(fed.clients)
     variant = VARIANTS[algorithm]
     hparams = {**dict(variant.hparams), **(dict(args.dynsam) if algorithm == "dynsam" else {})}
     rs = RoundSettings(algorithm=variant.algorithm, clients_per_round=fed.clients_per_round, hparams=hparams,
                        round_timeout=ROUND_TIMEOUT, local_epochs=args.epochs, lr_decay=args.lr_decay,
                        **({"aggregator": args.aggregator} if args.aggregator else {}))
-    curve = fedsim.run(fed, rs, seed=seed, fleet=fleet_for(len(fed.clients), seed)).ema_accuracy[SERVED]
+    curve = fedsim.run(fed, rs, seed=seed, fleet=fleet_for(len(fed.clients), seed)).ema_accuracy[args.served]
     return algorithm, seed, 100 * curve[-1], 100 * (curve[-1] - max(curve))
 
 
@@ -78,18 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr-decay", type=float, default=0.998, help="[rounds] lr_decay (shipped: 0.998)")
     ap.add_argument("--aggregator", default="", help="[rounds] aggregator (default: the shipped fold)")
     ap.add_argument("--dynsam", type=hparam, action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--dual-decay", type=float, default=1.0)
+    ap.add_argument("--dual-decay", type=float, default=1.0,
+                    help="the first probe's leak, applied once per participation (not the shipped "
+                         "`dual_decay` hyper-parameter, which decays every round: --dynsam dual_decay=B)")
+    ap.add_argument("--served", default=SERVED, choices=("0.5", "0.75", "0.9"),
+                    help="the serve_average decay whose model is scored")
+    ap.add_argument("--algorithms", default="dynsam,fedavg")
+    ap.add_argument("--validation", action="store_true",
+                    help="score on a validation split (20%% of each client's training data) instead of the test set")
     ap.add_argument("--seeds", default="1,2,3")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    jobs = [(args.setting, a, s, args) for a in ("dynsam", "fedavg") for s in seeds]
+    jobs = [(args.setting, a, s, args) for a in args.algorithms.split(",") for s in seeds]
     rows: dict[str, list[tuple[float, float]]] = {}
     with ProcessPoolExecutor(2) as pool:
         for algorithm, _, final, decline in pool.map(one, jobs):
             rows.setdefault(algorithm, []).append((final, decline))
     for algorithm, runs in rows.items():
         print(f"{algorithm}+sgd: final {statistics.mean(f for f, _ in runs):.2f}% "
-              f"({', '.join(f'{f:.1f}' for f, _ in runs)}), worst final-best {min(d for _, d in runs):+.2f}")
+              f"({', '.join(f'{f:.1f}' for f, _ in runs)}), worst final-best {min(d for _, d in runs):+.2f}, "
+              f"median {statistics.median(d for _, d in runs):+.2f}")
     return 0
 
 

@@ -265,6 +265,51 @@ def test_feddyn_server_in_buffered_mode_keeps_h_undamped_and_applies_it_paced_by
     assert np.allclose(new2["w"], new["w"] + [0.4, 0.0] + [0.4 + 0.1, -0.2])
 
 
+def test_leaky_dual_keeps_h_the_mean_of_the_device_duals_when_devices_miss_rounds():
+    beta, m = 0.8, 3
+    server = feddyn.Server({"dual_decay": beta})
+    states: list[dict] = [{} for _ in range(m)]
+    theta = {"weight": np.zeros((3, 4), np.float32), "bias": np.zeros(3, np.float32)}
+    rng = np.random.default_rng(0)
+    for round_no, present in enumerate([[0, 1], [2], [0], [1, 2], [0, 2]], start=1):
+        server.start_round(round_no, population=m)
+        broadcast = server.broadcast()
+        deltas = []
+        for k in present:
+            rule = feddyn.Client({"dual_decay": beta}, broadcast, states[k])
+            rule.begin(tiny_model(), [torch.tensor(theta["weight"]), torch.tensor(theta["bias"])], 1, 1)
+            delta = {n: rng.standard_normal(a.shape).astype(np.float32) for n, a in theta.items()}
+            rule.end([torch.tensor(theta[n] + delta[n]) for n in ("weight", "bias")])
+            rule.committed(delta)
+            server.observe(str(k), 1, {})
+            deltas.append(delta)
+        mean = {n: np.mean([d[n] for d in deltas], axis=0) for n in theta}
+        theta = server.new_global(theta, mean)
+        clock = server.broadcast()["dual_clock"]
+        # every device's dual as it would load it now (the missed rounds' decay applied)
+        duals = [[np.asarray(h) * beta ** (clock - st["h_clock"]) for h in st["h"]] if st else None for st in states]
+        for i, name in enumerate(("weight", "bias")):
+            mean_dual = sum(d[i] for d in duals if d is not None) / m
+            assert np.allclose(server.H[name], mean_dual, atol=1e-6), (round_no, name)
+
+
+def test_leaky_dual_off_is_feddyn_and_out_of_range_is_refused():
+    assert feddyn.Server({}).broadcast() == {}  # beta = 1: no clock on the wire, FedDyn exactly
+    server = feddyn.Server({"dual_decay": 0.9})
+    server.start_round(1, population=2)
+    server.observe("a", 1, {})
+    server.new_global({"w": np.zeros(2, np.float32)}, {"w": np.ones(2, np.float32)})
+    again = feddyn.Server({"dual_decay": 0.9})
+    again.load_state(server.state())
+    assert again.broadcast() == {"dual_clock": 1}
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="dual_decay must be in"):
+            feddyn.Server({"dual_decay": bad})
+    from broker_coordinator.settings.round_settings import RoundSettings
+    with pytest.raises(ValueError, match=r"\[rounds\] hparams: dual_decay must be in \(0, 1\]"):
+        RoundSettings(algorithm="dynsam", hparams={"dual_decay": 1.5}).validate()  # at start-up, not in round 1
+
+
 def test_fedsmoo_client_ascent_dual_and_server_perturbation():
     state = {"mu": [np.array([0.1, 0.0], dtype=np.float32)], "h": [np.zeros(2, dtype=np.float32)]}
     model = nn.Linear(2, 1, bias=False)

@@ -29,7 +29,7 @@ SITES = {"north": 3, "south": 3}
 RADIUS_HISTORY = {"by_device": {f"old-{i}": 2.0 + 0.1 * i for i in range(9)}}
 # (algorithm, hparams): every one runs flat, in sites, buffered and in buffered sites
 ALGORITHMS = [("fedavg", {}), ("fedsam", {}), ("feddyn", {}), ("fedsmoo", {}), ("dynsam", {}),
-              ("dynsam", {"dual": 0, "global_perturbation": 0})]
+              ("dynsam", {"dual": 0, "global_perturbation": 0}), ("dynsam", {"dual_decay": 0.96})]
 
 
 @pytest.fixture(scope="module")

@@ -147,6 +147,10 @@ class RoundSettings:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        try:  # the algorithm's own ranges (e.g. dual_decay), at start-up rather than in the first round
+            algorithm.server(self.task_hparams(1))
+        except ValueError as exc:
+            raise ValueError(f"[rounds] hparams: {exc}") from None
         if self.mode == "buffered":
             check_buffered(self)
         check_server_optimizer(self)

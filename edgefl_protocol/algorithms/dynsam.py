@@ -60,7 +60,7 @@ NAME = "dynsam"
 DEFAULT_HPARAMS: dict[str, float | str] = {
     "alpha": 0.1, "rho": 0.05, "sam_every": 4, "ratio": 2.0, "adapt_rho": 1, "adapt_alpha": 1,
     "size_aware": 0, "sam": 1, "dual": 1, "weighting": "uniform", "global_perturbation": 0,
-    "balanced_loss": 0,
+    "balanced_loss": 0, "dual_decay": 1.0,
 }
 
 
@@ -196,6 +196,7 @@ class Server(DualServer):
         sigmas = [s["sigma"] for s in self.latest.values() if "sigma" in s]
         disagreements = [1 - s["gamma"] for s in self.latest.values() if "gamma" in s]
         sizes = [s["n"] for s in self.latest.values()]
-        return {"median_sigma": statistics.median(sigmas) if sigmas else 0.0,
+        return {**super().broadcast(),
+                "median_sigma": statistics.median(sigmas) if sigmas else 0.0,
                 "median_disagreement": statistics.median(disagreements) if disagreements else 0.0,
                 "mean_samples": sum(sizes) / len(sizes) if sizes else 0.0}

@@ -33,7 +33,8 @@ from .feddyn import DualServer, DualState
 from .sam import SAMClient
 
 NAME = "fedsmoo"
-DEFAULT_HPARAMS: dict[str, float | str] = {"rho": 0.05, "alpha": 0.1, "sam_every": 1, "weighting": "uniform"}
+DEFAULT_HPARAMS: dict[str, float | str] = {
+    "rho": 0.05, "alpha": 0.1, "sam_every": 1, "weighting": "uniform", "dual_decay": 1.0}
 MU = EXTRA_PREFIX + "mu"      # one tensor per parameter: "extra.mu.<param name>"
 S = EXTRA_PREFIX + "s"        # the global perturbation, released with the model: "extra.s.<param name>"
 
