@@ -9,16 +9,19 @@ Settings (bench/settings.py):
 - digits, 20 clients of 2 label-sorted shards each (the label-skewed one), the MLP.
 
 A row is ALGORITHM+CLIENT[+SERVER]: CLIENT sgd or momentum (0.9), SERVER a [rounds] server_optimizer
-at its default rate. The runs are made in the order that decides the default first: every algorithm
+at its default rate; ALGORITHM is one of the algorithms or `dynsam-leaky` (`dynsam` with the leaky dual,
+dual_decay 0.96). The runs are made in the order that decides the default first: every algorithm
 with SGD; the best headline row within the passes budget with each server optimizer; every algorithm
 with momentum; FedAvg with each server optimizer (on the cheap settings already in the server phase).
 A server optimizer's headline row gets seeds 2-3 only if its seed 1 ended within 5 points of the
-row without it. Each finished run is cached (bench/results/algorithms_runs/,
-shared with bench/algorithms.py, so its headline runs count here) and the report is rebuilt after
-every run, so the job can be stopped and resumed at any time.
+row without it. Each finished run is cached (bench/results/algorithms_runs/pinned_speed/: every
+emulated device trains at the pinned host speed of bench/host_speed.json times its class's, so a rerun
+plans the same epochs) and the report is rebuilt after every run, so the job can be stopped and resumed
+at any time.
 
     python -m bench.field_settings                   # the plan (hours on 2 cores; resumable)
     python -m bench.field_settings --phases sgd      # the SGD rows only
+    python -m bench.field_settings --rows dynsam-leaky+sgd,fedavg+sgd   # some rows, every setting and seed
     python -m bench.field_settings --report          # rebuild from the cache
 
 Writes bench/results/field_settings.md and field.json (its "fleet" part is `python -m bench.field`'s
@@ -142,7 +145,9 @@ def report() -> dict:
         varies={"algorithm": "per row", "momentum": [0.0, MOMENTUM], "server_optimizer": ["sgd", *SERVERS]},
         data={s: s for s in SETTINGS}, seeds=list(SEEDS), round_timeout=ROUND_TIMEOUT,
         fleet={s: fleet_spec(20 if s != SYNTHETIC else 30) for s in SETTINGS}, transport="in process (bench/inmemory.py)",
-        run_commits=commits, runs="cached in bench/results/algorithms_runs/: a cached run may come from older code",
+        run_commits=commits, runs=f"cached in bench/results/algorithms_runs/{PIPELINE}/: a cached run may come from "
+                                  "older code (run_commits)",
+        host_speed="pinned: bench/host_speed.json (an emulated device's speed is it times its class's)",
         served=f"scores the served average of the global models (decay {shipped.serve_average:g}), which each run "
                "evaluates beside its last global model and never feeds back into training (bench/fedsim.py), so "
                "runs made while the coordinator served the last model measure it exactly")

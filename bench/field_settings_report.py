@@ -97,11 +97,16 @@ def targets(table: dict[str, dict[str, dict]], row: str, headline: str) -> list[
                          f"(target >= +{need:.1f}): **{'met' if gap >= need else 'missed'}**")
     head = table.get(headline, {})
     others = {r: v for r, v in head.items() if r != row and not r.startswith("fedavg+")}
-    if row in head and others:
-        rival = max(others, key=lambda r: mean(others[r]["final_accuracy"]))
-        gap = mean(head[row]["final_accuracy"]) - mean(others[rival]["final_accuracy"])
-        lines.append(f"- {headline}: vs the best other row {rival}: {gap:+.2f} points (target >= +0.5): "
-                     f"**{'met' if gap >= 0.5 else 'missed'}**")
+    algorithm = row.split("+")[0].split("-")[0]
+    # the best other row, and the best row of another algorithm (not a variant of the default's own)
+    for label, rivals in (("the best other row", others),
+                          ("the best other algorithm", {r: v for r, v in others.items()
+                                                        if r.split("+")[0].split("-")[0] != algorithm})):
+        if row in head and rivals:
+            rival = max(rivals, key=lambda r: mean(rivals[r]["final_accuracy"]))
+            gap = mean(head[row]["final_accuracy"]) - mean(rivals[rival]["final_accuracy"])
+            lines.append(f"- {headline}: vs {label} {rival}: {gap:+.2f} points (target >= +0.5): "
+                         f"**{'met' if gap >= 0.5 else 'missed'}**")
     for setting, rows in table.items():
         unstable = sorted((v["final_minus_best_worst"], r) for r, v in rows.items()
                           if v["final_minus_best_worst"] < -STABLE_WITHIN)
