@@ -306,7 +306,7 @@ def test_leaky_dual_off_is_feddyn_and_out_of_range_is_refused():
         with pytest.raises(ValueError, match="dual_decay must be in"):
             feddyn.Server({"dual_decay": bad})
     from broker_coordinator.settings.round_settings import RoundSettings
-    with pytest.raises(ValueError, match=r"\[rounds\] hparams: dual_decay must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"hparams: dual_decay must be in \(0, 1\]"):
         RoundSettings(algorithm="dynsam", hparams={"dual_decay": 1.5}).validate()  # at start-up, not in round 1
 
 

@@ -150,7 +150,7 @@ class RoundSettings:
         try:  # the algorithm's own ranges (e.g. dual_decay), at start-up rather than in the first round
             algorithm.server(self.task_hparams(1))
         except ValueError as exc:
-            raise ValueError(f"[rounds] hparams: {exc}") from None
+            raise ValueError(f"hparams: {exc}") from None
         if self.mode == "buffered":
             check_buffered(self)
         check_server_optimizer(self)
