@@ -96,7 +96,7 @@ def targets(table: dict[str, dict[str, dict]], row: str, headline: str) -> list[
             lines.append(f"- {setting}: {row} vs fedavg+{client_of(row)}: {gap:+.2f} points "
                          f"(target >= +{need:.1f}): **{'met' if gap >= need else 'missed'}**")
     head = table.get(headline, {})
-    others = {r: v for r, v in head.items() if r != row and not r.startswith("fedavg+")}
+    others = {r: v for r, v in head.items() if r != row}  # FedAvg's rows too: with a server optimizer it can lead
     algorithm = row.split("+")[0].split("-")[0]
     # the best other row, and the best row of another algorithm (not a variant of the default's own)
     for label, rivals in (("the best other row", others),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.field_settings_report import choose, summarize
+from bench.field_settings_report import choose, summarize, targets
 from broker_coordinator.settings.round_settings import RoundSettings
 
 
@@ -72,3 +72,20 @@ def test_a_run_without_the_served_average_is_refused_with_what_to_do():
               "signals": [{"d": {"passes": 2}}], "deciding": {}, "commit": "abc"}
     with pytest.raises(ValueError, match=r"no served average at decay 0.75: rerun it"):
         summarize([record])
+
+
+def _stable(table: dict) -> dict:
+    for rows in table.values():
+        for v in rows.values():
+            v["final_minus_best_worst"] = 0.0
+    return table
+
+
+def test_the_headline_target_counts_fedavg_rows_and_names_the_best_other_algorithm():
+    table = _stable(_table({"h": {"fedavg+sgd": ([90, 90], 10), "fedavg+sgd+adagrad": ([93, 93], 10),
+                                  "x+sgd": ([93.3, 93.3], 10), "x-leaky+sgd": ([93.2, 93.2], 10)}}))
+    lines = targets(table, "x+sgd", "h")
+    assert "- h: x+sgd vs fedavg+sgd: +3.30 points (target >= +2.0): **met**" in lines
+    assert "- h: vs the best other row x-leaky+sgd: +0.10 points (target >= +0.5): **missed**" in lines
+    # a variant of the default's own algorithm is not another algorithm; FedAvg with adagrad is
+    assert "- h: vs the best other algorithm fedavg+sgd+adagrad: +0.30 points (target >= +0.5): **missed**" in lines
