@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-settings, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost,
+# field, field-settings, served-decay, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost,
 # pi-check, pi-dp-sgd, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
@@ -32,7 +32,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings field-quick spool buffered downlink dist torch-debian
+.PHONY: privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -42,6 +42,9 @@ field: setup mosquitto
 
 field-settings: setup  # bench/results/field_settings.md and field.json's "settings" and "choice" (in process; hours on 2 cores, resumable)
 	nice -n 5 $(BIN)/python -m bench.field_settings $(FIELD_SETTINGS_ARGS)
+
+served-decay: setup  # bench/results/served_decay.json and .md: field-settings' cached runs re-scored at each serve_average (seconds)
+	$(BIN)/python -m bench.served_decay
 
 field-quick: setup mosquitto
 	nice -n 5 $(BIN)/python -m bench.field --quick $(FIELD_ARGS)

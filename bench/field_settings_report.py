@@ -34,14 +34,16 @@ def client_of(row: str) -> str:
     return row.split("+")[1]
 
 
-def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
-    """{setting: {row: final and best accuracy per seed (%), the worst final-minus-best, passes}}."""
+def summarize(records: list[dict], decay: float | None = None) -> dict[str, dict[str, dict]]:
+    """{setting: {row: final and best accuracy per seed (%), the worst final-minus-best, passes}}, scoring the
+    model served at `serve_average = decay` (None: the shipped coordinator's)."""
     grouped: dict[str, dict[str, list[dict]]] = {}
     for r in sorted(records, key=lambda r: r["seed"]):
         grouped.setdefault(r["setting"], {}).setdefault(row_key(r), []).append(r)
     table: dict[str, dict[str, dict]] = {}
-    from broker_coordinator.settings.round_settings import RoundSettings
-    decay = RoundSettings().serve_average  # the rows score what the shipped coordinator serves
+    if decay is None:
+        from broker_coordinator.settings.round_settings import RoundSettings
+        decay = RoundSettings().serve_average  # the rows score what the shipped coordinator serves
     for setting, rows in sorted(grouped.items()):
         out = table.setdefault(setting, {})
         for row, runs in sorted(rows.items()):
