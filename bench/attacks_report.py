@@ -29,7 +29,9 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "centered_clip+banks8": {"verdict_banks": 8, **LAST},
                          "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4, **LAST},
                          # the agreement stage flags only median cosines below -0.05 (aggregation/consensus.py)
-                         "centered_clip+floor0.05": {"agreement_floor": 0.05, **LAST}}
+                         "centered_clip+floor0.05": {"agreement_floor": 0.05, **LAST},
+                         # the default fold serving a slower average (bench/served_decay.py: fewer late declines)
+                         "centered_clip+serve0.9": {"serve_average": 0.9}}
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
@@ -65,8 +67,10 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def targets(runs: dict) -> dict:
-    """The issue's targets, for the default fold, each with what was measured (points) and whether met."""
+def targets(runs: dict, fold: str = DEFAULT_FOLD) -> dict:
+    """The issue's targets for `fold` (the default fold unless named), each with what was measured (points)
+    and whether met."""
+    DEFAULT_FOLD = fold  # noqa: N806 (the name the targets are written with)
     out = {}
     head = runs.get(HEADLINE, {})
     for key, cells in head.items():
@@ -83,10 +87,13 @@ def targets(runs: dict) -> dict:
             success = max(cells[DEFAULT_FOLD]["attack_success"])
             limit = 0.1 if frac == "0.1" else 0.2
             out[f"{key} success <= {limit:g}"] = {"worst": round(success, 4), "met": success <= limit}
+    # the plain mean serving the same model where it ran (mean+serve0 for folds serving the last model), else
+    # the shipped one
+    mean = "mean+serve0" if FOLDS.get(fold, {}).get("serve_average") == 0 else "mean"
     for partition in (HEADLINE, SECOND):
         clean = runs.get(partition, {}).get("clean", {})
-        if DEFAULT_FOLD in clean and "mean" in clean:
-            gap = 100 * (_mean(clean["mean"]["final_accuracy"]) - _mean(clean[DEFAULT_FOLD]["final_accuracy"]))
+        if DEFAULT_FOLD in clean and mean in clean:
+            gap = 100 * (_mean(clean[mean]["final_accuracy"]) - _mean(clean[DEFAULT_FOLD]["final_accuracy"]))
             out[f"{partition} clean within 0.5 of mean"] = {"points_below": round(gap, 2), "met": gap <= 0.5}
             left = clean[DEFAULT_FOLD]["honest_left_out"]
             out[f"{partition} clean honest left out <= 5%"] = {"fraction": left, "met": left <= 0.05}
@@ -130,6 +137,9 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
              "intake and fold; sites through SiteWorker and fold_partials; no broker"),
         "default_fold": DEFAULT_FOLD, "runs": runs}
     out["targets"] = targets(runs)
+    # the same targets for every fold that ran every run: how many each holds
+    out["targets_held"] = {f: f"{sum(t['met'] for t in held.values())} of {len(held)}"
+                           for f in folds if len(held := targets(runs, f)) == len(out["targets"])}
     head_clean = runs.get(HEADLINE, {}).get("clean", {}).get(DEFAULT_FOLD)
     sign = runs.get(HEADLINE, {}).get("sign_flip@0.1", {}).get(DEFAULT_FOLD)
     if head_clean and sign:  # what README quotes
@@ -177,6 +187,9 @@ def markdown(out: dict, folds: list[str]) -> str:
     for name, t in out["targets"].items():
         value = next(v for k, v in t.items() if k != "met")
         lines.append(f"| {name} | {value} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", "Targets held by each fold that ran every run (the same targets on its own cells; the clean gap "
+              "to the plain mean serving the same model: `mean+serve0` for folds serving the last model, else `mean`):", "",
+              "| fold | held |", "|---|---|"] + [f"| {f} | {h} |" for f, h in out.get("targets_held", {}).items()]
     return "\n".join(lines) + "\n"
 
 
