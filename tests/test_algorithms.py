@@ -12,6 +12,7 @@ from edge_agent.training import LocalSettings, train_locally
 from edgefl_protocol import algorithms
 from edgefl_protocol.algorithms import drsam, dynsam, feddyn, fedprox, fedsam, fedsmoo
 from edgefl_protocol.algorithms.base import cosine
+from edgefl_protocol.errors import Rejected
 from models.datasets import Dataset
 
 H = {k: float(v) for k, v in drsam.DEFAULT_HPARAMS.items() if k != "weighting"}
@@ -430,3 +431,12 @@ def test_server_state_survives_a_checkpoint_round_trip():
     d2 = drsam.Server({})
     d2.load_state(unpack(pack(d.state())))
     assert d2.sigma_sums == {"a": [0.2, 1]}
+
+
+@pytest.mark.parametrize("clock", ["7", -1, 1.5, True])
+def test_a_malformed_dual_clock_is_refused_before_the_dual_is_touched(clock):
+    state = {"h": [np.ones((3, 4), np.float32), np.ones(3, np.float32)], "h_clock": 2}
+    rule = feddyn.Client({"dual_decay": 0.9}, {"dual_clock": clock}, state)
+    with pytest.raises(Rejected, match="dual_clock must be a whole number of rounds"):
+        rule.begin(tiny_model(), [torch.zeros(3, 4), torch.zeros(3)], 1, 1)
+    assert state["h_clock"] == 2 and np.all(state["h"][0] == 1)

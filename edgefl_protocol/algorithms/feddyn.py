@@ -38,6 +38,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ..errors import Rejected
 from .base import ClientRule, Scalar, ServerRule, Tensors, from_numpy, hp, to_numpy
 
 NAME = "feddyn"
@@ -59,6 +60,9 @@ class DualState:
         self.dual = from_numpy(stored) if stored is not None else [torch.zeros_like(p) for p in params]
         self.beta = dual_decay(self.hparams)
         clock = self.broadcast.get("dual_clock")
+        if clock is not None and (isinstance(clock, bool) or not isinstance(clock, (int, float))
+                                  or clock != int(clock) or clock < 0):
+            raise Rejected("schema", f"broadcast dual_clock must be a whole number of rounds >= 0, got {clock!r}")
         if self.beta < 1.0 and clock is not None:
             # the rounds H decayed since this device's dual was last added to it
             missed = max(0, int(clock) - int(self.state.get("h_clock", clock)))
