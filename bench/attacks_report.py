@@ -70,21 +70,20 @@ def _mean(xs: list[float]) -> float:
 def targets(runs: dict, fold: str = DEFAULT_FOLD) -> dict:
     """The issue's targets for `fold` (the default fold unless named), each with what was measured (points)
     and whether met."""
-    DEFAULT_FOLD = fold  # noqa: N806 (the name the targets are written with)
     out = {}
     head = runs.get(HEADLINE, {})
     for key, cells in head.items():
         attack, _, frac = key.partition("@")
-        if key.startswith(("sites/", "absent", "clean")) or DEFAULT_FOLD not in cells:
+        if key.startswith(("sites/", "absent", "clean")) or fold not in cells:
             continue
-        absent = head.get(f"absent@{frac}", {}).get(DEFAULT_FOLD)
+        absent = head.get(f"absent@{frac}", {}).get(fold)
         if not absent:
             continue
-        worst = max(100 * (a - b) for a, b in zip(absent["final_accuracy"], cells[DEFAULT_FOLD]["final_accuracy"]))
+        worst = max(100 * (a - b) for a, b in zip(absent["final_accuracy"], cells[fold]["final_accuracy"]))
         limit = 1.0 if frac == "0.1" else 3.0
         out[f"{key} within {limit:g} of absent"] = {"worst_points_below": round(worst, 2), "met": worst <= limit}
         if attack == "backdoor":
-            success = max(cells[DEFAULT_FOLD]["attack_success"])
+            success = max(cells[fold]["attack_success"])
             limit = 0.1 if frac == "0.1" else 0.2
             out[f"{key} success <= {limit:g}"] = {"worst": round(success, 4), "met": success <= limit}
     # the plain mean serving the same model where it ran (mean+serve0 for folds serving the last model), else
@@ -92,13 +91,13 @@ def targets(runs: dict, fold: str = DEFAULT_FOLD) -> dict:
     mean = "mean+serve0" if FOLDS.get(fold, {}).get("serve_average") == 0 else "mean"
     for partition in (HEADLINE, SECOND):
         clean = runs.get(partition, {}).get("clean", {})
-        if DEFAULT_FOLD in clean and mean in clean:
-            gap = 100 * (_mean(clean[mean]["final_accuracy"]) - _mean(clean[DEFAULT_FOLD]["final_accuracy"]))
+        if fold in clean and mean in clean:
+            gap = 100 * (_mean(clean[mean]["final_accuracy"]) - _mean(clean[fold]["final_accuracy"]))
             out[f"{partition} clean within 0.5 of mean"] = {"points_below": round(gap, 2), "met": gap <= 0.5}
-            left = clean[DEFAULT_FOLD]["honest_left_out"]
+            left = clean[fold]["honest_left_out"]
             out[f"{partition} clean honest left out <= 5%"] = {"fraction": left, "met": left <= 0.05}
-    site = head.get("sites/compromised_site@0.25", {}).get(DEFAULT_FOLD)
-    tree = head.get("sites/clean", {}).get(DEFAULT_FOLD)
+    site = head.get("sites/compromised_site@0.25", {}).get(fold)
+    tree = head.get("sites/clean", {}).get(fold)
     if site and tree:
         worst = max(100 * (a - b) for a, b in zip(tree["final_accuracy"], site["final_accuracy"]))
         out["one compromised site of 4 within 2 of the clean tree"] = {"worst_points_below": round(worst, 2),

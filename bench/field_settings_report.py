@@ -34,6 +34,17 @@ def client_of(row: str) -> str:
     return row.split("+")[1]
 
 
+def shipped_row(shipped) -> str:
+    """The row a coordinator with these `RoundSettings` runs, e.g. `dynsam+sgd`."""
+    return f"{shipped.algorithm}+{'momentum' if shipped.momentum else 'sgd'}" + (
+        "" if shipped.server_optimizer == "sgd" else f"+{shipped.server_optimizer}")
+
+
+def algorithm_of(row: str) -> str:
+    """The algorithm a row runs: `dynsam-leaky+sgd` is `dynsam` with an option."""
+    return row.split("+")[0].split("-")[0]
+
+
 def summarize(records: list[dict], decay: float | None = None) -> dict[str, dict[str, dict]]:
     """{setting: {row: final and best accuracy per seed (%), the worst final-minus-best, passes}}, scoring the
     model served at `serve_average = decay` (None: the shipped coordinator's)."""
@@ -99,11 +110,10 @@ def targets(table: dict[str, dict[str, dict]], row: str, headline: str) -> list[
                          f"(target >= +{need:.1f}): **{'met' if gap >= need else 'missed'}**")
     head = table.get(headline, {})
     others = {r: v for r, v in head.items() if r != row}  # FedAvg's rows too: with a server optimizer it can lead
-    algorithm = row.split("+")[0].split("-")[0]
     # the best other row, and the best row of another algorithm (not a variant of the default's own)
     for label, rivals in (("the best other row", others),
                           ("the best other algorithm", {r: v for r, v in others.items()
-                                                        if r.split("+")[0].split("-")[0] != algorithm})):
+                                                        if algorithm_of(r) != algorithm_of(row)})):
         if row in head and rivals:
             rival = max(rivals, key=lambda r: mean(rivals[r]["final_accuracy"]))
             gap = mean(head[row]["final_accuracy"]) - mean(rivals[rival]["final_accuracy"])
@@ -128,8 +138,7 @@ def _fmt(values: list[float]) -> str:
 def markdown(table: dict[str, dict[str, dict]], choice: dict, settings: list[str], measured: dict) -> str:
     from broker_coordinator.settings.round_settings import RoundSettings
     shipped = RoundSettings()
-    runtime_row = f"{shipped.algorithm}+{'momentum' if shipped.momentum else 'sgd'}" + (
-        "" if shipped.server_optimizer == "sgd" else f"+{shipped.server_optimizer}")
+    runtime_row = shipped_row(shipped)
     intro = ("`python -m bench.field_settings` (bench/field_settings.py): the shipped engine in process "
              "(bench/inmemory.py), the default codec, fold and device-chosen epochs on the demo's fleet mix "
              f"with a {measured['round_timeout']:g} s deadline; final accuracy in % of the served model (the "

@@ -20,7 +20,7 @@ from . import provenance
 from .algorithm_jobs import RESULTS
 from .field_report import mean
 from .field_settings import PIPELINE, SEEDS, SETTINGS, cached, every_cached_job
-from .field_settings_report import STABLE_WITHIN, choose, client_of, summarize
+from .field_settings_report import STABLE_WITHIN, choose, client_of, shipped_row, summarize
 
 DECAYS = (0.0, 0.5, 0.75, 0.9)  # 0: the last global model; the others are what fedsim.py evaluates
 
@@ -66,7 +66,7 @@ def markdown(results: dict[str, dict], default_row: str, measured: dict) -> str:
 def main() -> int:
     from broker_coordinator.settings.round_settings import RoundSettings
     shipped = RoundSettings()
-    default_row = f"{shipped.algorithm}+{'momentum' if shipped.momentum else 'sgd'}"
+    default_row = shipped_row(shipped)
     records = cached(every_cached_job())
     if not records:
         raise SystemExit(f"no cached runs in bench/results/algorithms_runs/{PIPELINE}/: run python -m "
@@ -81,8 +81,9 @@ def main() -> int:
         run_commits=sorted({r.get("commit", "unknown") for r in records}))
     (RESULTS / "served_decay.json").write_text(json.dumps({"measured_with": measured, "default_row": default_row,
                                                            "by_serve_average": results}, indent=1) + "\n")
-    (RESULTS / "served_decay.md").write_text(markdown(results, default_row, measured))
-    print(markdown(results, default_row, measured))
+    text = markdown(results, default_row, measured)
+    (RESULTS / "served_decay.md").write_text(text)
+    print(text)
     return 0
 
 
