@@ -86,6 +86,11 @@ NO_ANSWER = ("no answer from the coordinator within the timeout: is 'broker-coor
              "'broker-coordinator serve-enrollment') running on the server? The token was not used; try again")
 
 
+# Reaching the broker has its own allowance: `--timeout` is how long to wait for the coordinator's answer,
+# and a loaded broker can take over a second to accept a connection.
+CONNECT_TIMEOUT = 15.0
+
+
 class _Refused(Exception):
     """The broker refused the token's one-time password."""
 
@@ -148,7 +153,7 @@ def _ask(token: proto.EnrollmentToken, request: proto.EnrollRequest, ca: str | N
     client.on_subscribe = lambda *a: subscribed.set()
     client.on_disconnect = on_disconnect
     try:
-        connect(client, token.host, token.port, timeout=max(1.0, min(give_up - time.monotonic(), 15)))
+        connect(client, token.host, token.port, timeout=CONNECT_TIMEOUT)
     except BrokerUnavailable as exc:
         if "Not authorized" in str(exc) or "Bad user name or password" in str(exc):
             raise _Refused() from None
