@@ -14,16 +14,12 @@ import time
 
 import numpy as np
 
-from broker_coordinator.aggregation.partials import (
-    SiteTask,
-    encode_center,
-    encode_partial,
-)
 from broker_coordinator.engine.coordinator import RoundFailed
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
 from broker_coordinator.simulation.in_memory import fold_partials
 from edgefl_protocol import codec, messages, signing
+from edgefl_protocol.site_partials import SiteTask, encode_center, encode_partial
 
 from .inmemory import FED, InMemoryFederation
 
@@ -48,7 +44,7 @@ class InSites:
         shares = quotas(s.clients_per_round, {site: len(m) for site, m in self.members.items()})
         hp = s.task_hparams(round_no)
         cohorts = {site: sorted(sim.rng.sample(self.members[site], k)) for site, k in shares.items()}
-        trained = {d: sim._train(d, round_no, hp) for cohort in cohorts.values() for d in cohort}
+        trained = {d: sim.train(d, round_no, hp) for cohort in cohorts.values() for d in cohort}
         task = messages.Task(round_no, tree.version, time.time() + 600, s.algorithm, hp, tree.server_rule.broadcast(),
                              tree.settings.codec, 1, tree.objective.task, tree.objective.loss, evaluate=False,
                              train=True)  # the tree's codec: "auto" resolved for the model
@@ -74,7 +70,7 @@ class InSites:
             record = None
         for site, cohort in cohorts.items():
             for device in cohort:
-                sim._settle(device, round_no, trained[device], self.workers[site])
+                sim.settle(device, round_no, trained[device], self.workers[site])
         return record
 
     def _forge(self, partial, devices: int):

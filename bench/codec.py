@@ -107,7 +107,7 @@ def run_federation(codec_name: str, clients: list[Dataset], test: Dataset, round
             update = messages.decode_update(wire, 4 * cap + 65536, KEY)
             delta = codec.decode(update.codec, update.specs, update.body, specs, cap)
             aggregate.add(delta, server.weight(update.num_samples, update.metrics))
-        weights = server.new_global(weights, aggregate.mean())
+        weights = server.new_global(weights, aggregate.result())
         set_weights(model, weights)
         accuracy.append(evaluate(model, test)[0])
     return {"accuracy": accuracy[-1], "accuracy_curve": accuracy, "bytes_per_update": statistics.median(sizes)}
@@ -159,7 +159,7 @@ def decode_aggregate_throughput(codec_name: str, delta: dict[str, np.ndarray], c
         for wire in wires:
             update = messages.decode_update(wire, 4 * cap + 65536, KEY)
             aggregate.add(codec.decode(update.codec, update.specs, update.body, specs, cap), update.num_samples)
-        aggregate.mean()
+        aggregate.result()
 
     return count / median_seconds(fold_all, repeats, clock)
 

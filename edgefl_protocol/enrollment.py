@@ -37,7 +37,7 @@ import msgpack
 
 from . import SCHEMA_VERSION
 from .errors import Rejected
-from .messages import _field, _unpack
+from .messages import typed_field, unpack
 from .topics import check_name
 
 TOKEN_PREFIX = "edgefl1"
@@ -135,18 +135,18 @@ def encode(kind: str, message: EnrollRequest | EnrollAnswer) -> bytes:
 
 
 def decode_request(data: bytes) -> EnrollRequest:
-    obj = _unpack(data, "enroll", 4096)
-    request = EnrollRequest(_field(obj, "device", str), _field(obj, "token_id", str), _field(obj, "password", str),
-                            _nonce(obj))
+    obj = unpack(data, "enroll", 4096)
+    request = EnrollRequest(typed_field(obj, "device", str), typed_field(obj, "token_id", str),
+                            typed_field(obj, "password", str), _nonce(obj))
     if not 16 <= len(request.password) <= 256:
         raise Rejected("schema", "the new password must be 16-256 characters")
     return request
 
 
 def decode_answer(data: bytes) -> EnrollAnswer:
-    obj = _unpack(data, "enrolled", 4096)
-    return EnrollAnswer(_field(obj, "device", str), _field(obj, "ok", bool), _field(obj, "reason", str),
-                        _field(obj, "detail", str), _nonce(obj))
+    obj = unpack(data, "enrolled", 4096)
+    return EnrollAnswer(typed_field(obj, "device", str), typed_field(obj, "ok", bool), typed_field(obj, "reason", str),
+                        typed_field(obj, "detail", str), _nonce(obj))
 
 
 def _nonce(obj: dict) -> str:

@@ -163,7 +163,7 @@ def encode(kind: str, message: Any) -> bytes:
     return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **body}, use_bin_type=True)
 
 
-def _unpack(data: bytes, kind: str, max_bytes: int, also: tuple[str, ...] = ()) -> dict[str, Any]:
+def unpack(data: bytes, kind: str, max_bytes: int, also: tuple[str, ...] = ()) -> dict[str, Any]:
     """The header map of a `kind` message (or one of the kinds in `also`), checked before any field."""
     if len(data) > max_bytes:
         raise Rejected("oversized", f"{kind} message of {len(data)} bytes exceeds the cap of {max_bytes}")
@@ -180,7 +180,8 @@ def _unpack(data: bytes, kind: str, max_bytes: int, also: tuple[str, ...] = ()) 
     return obj
 
 
-def _field(obj: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+def typed_field(obj: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    """`obj[name]`, which must be present and of `types`, else Rejected (a bool is no number)."""
     value = obj.get(name)
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         value = None  # bool is an int subclass; never accept it where a number is meant
@@ -204,7 +205,7 @@ def _scalars(obj: dict[str, Any], name: str) -> dict[str, Scalar]:
 
 
 def _string(obj: dict[str, Any], name: str) -> str:
-    value = _field(obj, name, str)
+    value = typed_field(obj, name, str)
     if len(value) > MAX_STRING:
         raise Rejected("schema", f"field {name!r} is longer than {MAX_STRING} characters")
     return value
@@ -218,15 +219,15 @@ def _attempt(obj: dict[str, Any]) -> int:
 
 
 def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
-    obj = _unpack(data, "task", max_bytes)
+    obj = unpack(data, "task", max_bytes)
     return Task(
-        round=_field(obj, "round", int),
-        model_version=_field(obj, "model_version", int),
-        deadline=float(_field(obj, "deadline", (int, float))),
-        algorithm=_field(obj, "algorithm", str),
+        round=typed_field(obj, "round", int),
+        model_version=typed_field(obj, "model_version", int),
+        deadline=float(typed_field(obj, "deadline", (int, float))),
+        algorithm=typed_field(obj, "algorithm", str),
         hparams=_scalars(obj, "hparams"),
         broadcast=_scalars(obj, "broadcast"),
-        codec=_field(obj, "codec", str),
+        codec=typed_field(obj, "codec", str),
         attempt=_attempt(obj),
         task=_optional(obj, "task", str, "classification"),
         loss=_optional(obj, "loss", str, "cross_entropy"),
@@ -237,7 +238,7 @@ def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
 
 def _optional(obj: dict[str, Any], name: str, types: type, default: Any) -> Any:
     """A field newer senders add: absent means the default, present must have the right type."""
-    return _field(obj, name, types) if name in obj else default
+    return typed_field(obj, name, types) if name in obj else default
 
 
 def encode_update(update: Update, key: bytes) -> bytes:
@@ -261,21 +262,22 @@ def decode_answer(data: bytes, max_bytes: int, key: bytes | None, sender: str = 
     key), and only then the header, which is an update, a refusal or an evaluation report."""
     if len(data) > max_bytes:
         raise Rejected("oversized", f"update of {len(data)} bytes exceeds the cap of {max_bytes}")
-    obj = _unpack(signing.verify(data, key, sender), "update", max_bytes, also=("refusal", "report"))
+    obj = unpack(signing.verify(data, key, sender), "update", max_bytes, also=("refusal", "report"))
     if obj["kind"] == "refusal":
-        return Refusal(device=_device(obj), round=_field(obj, "round", int), attempt=_attempt(obj),
+        return Refusal(device=_device(obj), round=typed_field(obj, "round", int), attempt=_attempt(obj),
                        reason=_string(obj, "reason"), detail=_string(obj, "detail"),
-                       federation=_field(obj, "federation", str))
+                       federation=typed_field(obj, "federation", str))
     if obj["kind"] == "report":
         return _report(obj)
     return _update(obj)
 
 
 def _report(obj: dict[str, Any]) -> EvalReport:
-    report = EvalReport(device=_device(obj), round=_field(obj, "round", int), attempt=_attempt(obj),
-                        model_version=_field(obj, "model_version", int), metric=_string(obj, "metric"),
-                        score=float(_field(obj, "score", (int, float))), loss=float(_field(obj, "loss", (int, float))),
-                        count=_field(obj, "count", int), federation=_field(obj, "federation", str))
+    report = EvalReport(device=_device(obj), round=typed_field(obj, "round", int), attempt=_attempt(obj),
+                        model_version=typed_field(obj, "model_version", int), metric=_string(obj, "metric"),
+                        score=float(typed_field(obj, "score", (int, float))),
+                        loss=float(typed_field(obj, "loss", (int, float))),
+                        count=typed_field(obj, "count", int), federation=typed_field(obj, "federation", str))
     if report.count <= 0:
         raise Rejected("schema", f"an evaluation report needs a positive sample count, got {report.count}")
     if not (math.isfinite(report.score) and math.isfinite(report.loss)):
@@ -293,7 +295,7 @@ def decode_update(data: bytes, max_bytes: int, key: bytes | None, sender: str = 
 
 
 def _device(obj: dict[str, Any]) -> str:
-    device = _field(obj, "device", str)
+    device = typed_field(obj, "device", str)
     try:
         check_name("device", device)
     except ValueError as exc:
@@ -305,14 +307,14 @@ def _update(obj: dict[str, Any]) -> Update:
     device = _device(obj)
     update = Update(
         device=device,
-        round=_field(obj, "round", int),
-        model_version=_field(obj, "model_version", int),
-        num_samples=_field(obj, "num_samples", int),
+        round=typed_field(obj, "round", int),
+        model_version=typed_field(obj, "model_version", int),
+        num_samples=typed_field(obj, "num_samples", int),
         metrics=_scalars(obj, "metrics"),
-        body=_field(obj, "body", bytes),
-        codec=_field(obj, "codec", str),
-        specs=_field(obj, "specs", list),
-        federation=_field(obj, "federation", str),
+        body=typed_field(obj, "body", bytes),
+        codec=typed_field(obj, "codec", str),
+        specs=typed_field(obj, "specs", list),
+        federation=typed_field(obj, "federation", str),
         attempt=_attempt(obj),
     )
     if update.num_samples <= 0:
@@ -321,9 +323,10 @@ def _update(obj: dict[str, Any]) -> Update:
 
 
 def decode_receipt(data: bytes, max_bytes: int = 4096) -> Receipt:
-    obj = _unpack(data, "receipt", max_bytes)
-    return Receipt(round=_field(obj, "round", int), attempt=_attempt(obj), accepted=_field(obj, "accepted", bool),
-                   reason=_string(obj, "reason"), detail=_field(obj, "detail", str),
+    obj = unpack(data, "receipt", max_bytes)
+    return Receipt(round=typed_field(obj, "round", int), attempt=_attempt(obj),
+                   accepted=typed_field(obj, "accepted", bool),
+                   reason=_string(obj, "reason"), detail=typed_field(obj, "detail", str),
                    verdict=_optional(obj, "verdict", str, "")[:MAX_STRING],
                    scale=_scale(_optional(obj, "scale", (int, float), 1.0)))
 
@@ -336,16 +339,16 @@ def _scale(value: float) -> float:
 
 def decode_model(data: bytes, max_bytes: int) -> ModelRelease:
     """A model manifest; `max_bytes` caps the declared model size, not just this message."""
-    obj = _unpack(data, "model", 1024 * 1024)
+    obj = unpack(data, "model", 1024 * 1024)
     release = ModelRelease(
-        version=_field(obj, "version", int),
-        arch=_field(obj, "arch", str),
-        codec=_field(obj, "codec", str),
-        specs=_field(obj, "specs", list),
-        size=_field(obj, "size", int),
-        sha256=_field(obj, "sha256", str),
-        chunks=_field(obj, "chunks", int),
-        chunk_bytes=_field(obj, "chunk_bytes", int),
+        version=typed_field(obj, "version", int),
+        arch=typed_field(obj, "arch", str),
+        codec=typed_field(obj, "codec", str),
+        specs=typed_field(obj, "specs", list),
+        size=typed_field(obj, "size", int),
+        sha256=typed_field(obj, "sha256", str),
+        chunks=typed_field(obj, "chunks", int),
+        chunk_bytes=typed_field(obj, "chunk_bytes", int),
         fingerprint=_optional(obj, "fingerprint", str, ""),
         chain=_chain(obj.get("chain", [])),
     )
@@ -377,11 +380,11 @@ def _chain(value: object) -> list:
 
 def decode_delta(data: bytes, max_bytes: int) -> ModelDelta:
     """One downlink delta (see `delta_downlink`); its tensors are checked when they are decoded."""
-    obj = _unpack(data, "delta", max_bytes)
-    delta = ModelDelta(version=_field(obj, "version", int), base_sha256=_field(obj, "base_sha256", str),
-                       sha256=_field(obj, "sha256", str), codec=_field(obj, "codec", str),
-                       specs=_field(obj, "specs", list), body=_field(obj, "body", bytes),
-                       state_specs=_field(obj, "state_specs", list), state=_field(obj, "state", bytes))
+    obj = unpack(data, "delta", max_bytes)
+    delta = ModelDelta(version=typed_field(obj, "version", int), base_sha256=typed_field(obj, "base_sha256", str),
+                       sha256=typed_field(obj, "sha256", str), codec=typed_field(obj, "codec", str),
+                       specs=typed_field(obj, "specs", list), body=typed_field(obj, "body", bytes),
+                       state_specs=typed_field(obj, "state_specs", list), state=typed_field(obj, "state", bytes))
     if delta.version < 1:
         raise Rejected("schema", f"delta version must be >= 1, got {delta.version}")
     _sha256(delta.base_sha256, "delta base_sha256")
@@ -390,8 +393,8 @@ def decode_delta(data: bytes, max_bytes: int) -> ModelDelta:
 
 
 def decode_status(data: bytes, max_bytes: int = 65536) -> Status:
-    obj = _unpack(data, "status", max_bytes)
-    state = _field(obj, "state", str)
+    obj = unpack(data, "status", max_bytes)
+    state = typed_field(obj, "state", str)
     if state not in ("online", "offline"):
         raise Rejected("schema", f"status state must be online or offline, got {state!r}")
-    return Status(device=_field(obj, "device", str), state=state, profile=_scalars(obj, "profile"))
+    return Status(device=typed_field(obj, "device", str), state=state, profile=_scalars(obj, "profile"))

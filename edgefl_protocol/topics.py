@@ -10,6 +10,13 @@
     edgefl/<fed>/device/<id>/enroll   the device's enrollment request (see `enrollment`)
     edgefl/<fed>/device/<id>/enrolled the coordinator's answer to it
 
+A federation in sites adds, per site (see `site_partials`):
+
+    edgefl/<fed>/site/<site>/task     coordinator -> site (queued for the bridge's session while it is down)
+    edgefl/<fed>/site/<site>/status   site -> coordinator, retained: devices online and eligible
+    edgefl/<fed>/site/<site>/partial  site -> coordinator: one per worker per round attempt
+    edgefl/<fed>/site/<site>/cohort   site-local, retained: the devices the site tasked
+
 The broker ACL (see broker_coordinator.access.broker) follows this layout with `%u`
 patterns, so a device id is also its broker user name.
 """
@@ -102,6 +109,22 @@ def parse_device_topic(topic: str) -> tuple[str, str, str] | None:
     """`edgefl/<fed>/device/<id>/<kind>` -> (fed, id, kind); None for anything else."""
     parts = topic.split("/")
     if len(parts) != 5 or parts[0] != ROOT or parts[2] != "device":
+        return None
+    return parts[1], parts[3], parts[4]
+
+
+def site_topic(fed: str, site: str, kind: str) -> str:
+    return f"{ROOT}/{fed}/site/{site}/{kind}"
+
+
+def all_site_topics(fed: str, kind: str) -> str:
+    return f"{ROOT}/{fed}/site/+/{kind}"
+
+
+def parse_site_topic(topic: str) -> tuple[str, str, str] | None:
+    """`edgefl/<fed>/site/<site>/<kind>` -> (fed, site, kind); None for anything else."""
+    parts = topic.split("/")
+    if len(parts) != 5 or parts[0] != ROOT or parts[2] != "site":
         return None
     return parts[1], parts[3], parts[4]
 

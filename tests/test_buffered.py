@@ -54,7 +54,7 @@ def test_a_buffers_damping_and_staleness_reach_the_server_rule(tmp_path):
     c._on_update(buffer, "d1", _answer(c, "d1", 3, 1, 0.1, num_samples=30), time.time())  # fresh
     c._on_update(buffer, "d2", _answer(c, "d2", 2, 2, 0.4, num_samples=10), time.time())  # 1 version old
     c._on_update(buffer, "d3", _answer(c, "d3", 0, 3, 0.2, num_samples=10), time.time())  # too stale: dropped
-    assert buffer.aggregate.delay == pytest.approx(10 / 40)  # weighted by n_k: (30 * 0 + 10 * 1) / 40
+    assert buffer.aggregate.report().delay == pytest.approx(10 / 40)  # weighted by n_k: (30 * 0 + 10 * 1) / 40
     seen = []
     c.server_rule.pace = lambda damping, delay: seen.append((damping, delay))
     buffer.move(RoundState.CLOSED)
@@ -137,9 +137,9 @@ def test_stale_updates_count_less_and_too_stale_ones_are_dropped(tmp_path, caplo
     assert c.working == {} and c.tickets == {}  # every answered device may get a new task
     # FedBuff's step: sum n_k f(s_k) delta_k / sum n_k
     expected = (30 * 0.1 + 10 / math.sqrt(2) * 0.4) / 40
-    step = buffer.aggregate.mean()
+    step = buffer.aggregate.result()
     assert all(np.allclose(a, expected, atol=1e-6) for a in step.values())
-    assert buffer.aggregate.damping == pytest.approx((30 + 10 / math.sqrt(2)) / 40)
+    assert buffer.aggregate.report().damping == pytest.approx((30 + 10 / math.sqrt(2)) / 40)
 
 
 def test_answers_to_no_open_task_are_rejected_with_their_reason(tmp_path):

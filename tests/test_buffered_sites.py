@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.partials import encode_partial, make_partial
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.engine.buffered import Ticket
 from broker_coordinator.engine.buffered_tree import BufferedTreeCoordinator, tree_class
 from broker_coordinator.engine.coordinator import RoundSettings
 from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
 from edgefl_protocol import signing
+from edgefl_protocol.site_partials import encode_partial, make_partial
 from models import datasets
 
 FED = "test"
@@ -81,9 +81,9 @@ def test_a_stale_partial_counts_with_its_versions_staleness_factor(tree):
     tree._on_partial(buffer, "north", _partial(tree, "north", 1, (2, 2), 0, 1.0))
     assert not tree.rejections and buffer.aggregate.count == 6
     factor = 1 / math.sqrt(2)
-    step = buffer.aggregate.mean()
+    step = buffer.aggregate.result()
     expected = (2 * 1.0 + 4 * factor) / 6  # FedBuff: sum f(s) n delta / sum n
     for name, a in step.items():
         np.testing.assert_allclose(a, expected, rtol=1e-6)
-    assert buffer.aggregate.damping == pytest.approx((2 + 4 * factor) / 6)
+    assert buffer.aggregate.report().damping == pytest.approx((2 + 4 * factor) / 6)
     assert buffer.device_metrics["north/1"]["staleness"] == 1

@@ -85,7 +85,7 @@ def test_centered_clip_weighs_a_device_by_its_standing_from_the_next_round_on():
         updates = _round(rng, honest=8, flipped=2)
         for device, delta in updates.items():
             rnd.add(device, {"w": delta.astype(np.float32)}, 1.0)
-        means.append((rnd.mean()["w"], updates))
+        means.append((rnd.result()["w"], updates))
         assert set(rnd.disagreeing) == {"x0", "x1"}
     first, second = means
     # round 1: all ten at full weight; round 2: the two flagged ones at 1 - 2/5 of theirs

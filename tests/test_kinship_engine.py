@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from broker_coordinator.aggregation.consensus import KIN_MIN_ROUNDS
-from broker_coordinator.aggregation.partials import SiteTask, encode_center
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.simulation.in_memory import fold_round
 from edgefl_protocol import codec, messages, signing
+from edgefl_protocol.site_partials import SiteTask, encode_center
 from models import datasets
 
 FED, ARCH = "test", "digits_mlp"
@@ -124,7 +124,7 @@ def test_verdict_banks_hold_back_a_flagged_update_in_its_own_round_at_a_site_and
                                     *encode_center(center)), task, set(keys))
         for device, payload in _flipped_round(specs, keys, 1, 0).items():
             worker._on_update(rnd, device, payload, time.time())
-        clipped, held_back = worker.partial(rnd).clipped, rnd.aggregate.held_back
+        clipped, held_back = worker.partial(rnd).clipped, rnd.aggregate.report().held_back
     else:
         buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(keys),
                                     "max_staleness": 2})
@@ -137,7 +137,7 @@ def test_verdict_banks_hold_back_a_flagged_update_in_its_own_round_at_a_site_and
             c._on_update(buffer, device, payload, time.time())
         c._set_state(buffer, RoundState.CLOSED)
         record = c._conclude(buffer, "")
-        clipped, held_back = record.clipped, buffer.aggregate.held_back
+        clipped, held_back = record.clipped, buffer.aggregate.report().held_back
     assert "k0" in held_back and clipped.get("held_back") == len(held_back) < len(keys)
 
 

@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.partials import SiteTask, encode_center, encode_partial
 from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
 from broker_coordinator.engine.buffered_tree import BufferedTreeCoordinator
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
@@ -20,6 +19,7 @@ from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
 from broker_coordinator.settings import composition
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from edgefl_protocol import codec, messages, signing
+from edgefl_protocol.site_partials import SiteTask, encode_center, encode_partial
 from models import datasets
 
 FED = "test"

@@ -81,7 +81,7 @@ def test_noise_std_is_z_clip_over_m():
     z, clip, m = 1.3, 0.2, 50
     fold = PrivateRound(SPECS, clip, z, m)
     fold.add("d0", {n: np.zeros(s, np.float32) for n, s in SPECS.items()})
-    noise = _flat(fold.mean())  # 1,020 coordinates of pure noise
+    noise = _flat(fold.result())  # 1,020 coordinates of pure noise
     expected = z * clip / m
     assert fold.released["noise_std"] == pytest.approx(expected)
     # the sample std of n normals is within 4 standard errors (expected / sqrt(2n)) of the truth

@@ -17,12 +17,6 @@ import pytest
 pytest.importorskip("dp_accounting")
 
 from broker_coordinator.aggregation import privacy, private_partials  # noqa: E402
-from broker_coordinator.aggregation.partials import (  # noqa: E402
-    SiteTask,
-    decode_partial,
-    encode_partial,
-    encode_site_task,
-)
 from broker_coordinator.aggregation.privacy import PrivateRound  # noqa: E402
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings  # noqa: E402
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules  # noqa: E402
@@ -32,6 +26,12 @@ from broker_coordinator.settings.privacy_settings import PrivacySettings  # noqa
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round  # noqa: E402
 from edgefl_protocol import codec, messages, signing  # noqa: E402
 from edgefl_protocol.errors import Rejected  # noqa: E402
+from edgefl_protocol.site_partials import (  # noqa: E402
+    SiteTask,
+    decode_partial,
+    encode_partial,
+    encode_site_task,
+)
 from models import datasets  # noqa: E402
 
 from .test_sites import ARCH, FED, signed_update  # noqa: E402
@@ -95,13 +95,13 @@ def test_sites_release_what_the_flat_round_releases(digits, monkeypatch):
     for coordinator in (flat, tree):
         coordinator.privacy.clip.clip = clip  # about half of the updates clipped
     released = []
-    real_mean = PrivateRound.mean
+    real_mean = PrivateRound.result
 
     def recorded(self, rng=None):
         released.append((self.clipped_sum(), self.count, self.unclipped))
         return real_mean(self, rng)
 
-    monkeypatch.setattr(PrivateRound, "mean", recorded)
+    monkeypatch.setattr(PrivateRound, "result", recorded)
     monkeypatch.setattr(privacy, "secure_generator", lambda: np.random.default_rng(11))
     rules = {**site_rules(tree.settings), **tree.privacy.site_privacy().rules()}
     assert rules["privacy"] == {"clip": clip, "sampling": "poisson", "rate": 9 / 40}

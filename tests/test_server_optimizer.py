@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.partials import SiteTask, encode_partial
 from broker_coordinator.aggregation.server_optimizer import ServerOptimizer
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
 from broker_coordinator.engine.rounds import RoundState
@@ -20,6 +19,7 @@ from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing
 from edgefl_protocol.settings import ConfigError, build_section
+from edgefl_protocol.site_partials import SiteTask, encode_partial
 from models import datasets
 
 FED, ARCH = "test", "digits_mlp"

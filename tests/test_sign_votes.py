@@ -34,7 +34,7 @@ def test_a_coordinate_only_a_minority_moves_does_not_move():
     for i, d in enumerate([*updates, backdoor]):
         fold.add(f"d{i}", d, 1.0)
         plain.add(f"d{i}", d, 1.0)
-    voted, mean = fold.mean(), plain.mean()
+    voted, mean = fold.result(), plain.result()
     assert np.all(mean["w"][-1, -10:] > 0.04)  # the plain mean carries a tenth of the trigger's weights
     assert np.all(voted["w"][-1, -10:] == 0)
     agreed = np.abs(fold.votes.net[:-10]) >= fold.votes.threshold()
@@ -84,15 +84,15 @@ def test_the_setting_is_checked():
 
 
 def _partial(site: str, updates: list[dict], quorum: float, forged_net: np.ndarray | None = None):
-    from broker_coordinator.aggregation.partials import decode_partial, encode_partial, make_partial
+    from edgefl_protocol.site_partials import decode_partial, encode_partial, make_partial
     from broker_coordinator.aggregation.votes import vote_fields
     fold = RobustRound(SPECS, NormBound(multiplier=0), "mean", sign_quorum=quorum)
     for i, d in enumerate(updates):
         fold.add(f"{site}-{i}", d, 1.0)
     stream = fold.streamed()
-    fields = vote_fields(fold)
+    fields = vote_fields(fold.votes)
     if forged_net is not None:
-        from broker_coordinator.aggregation.votes import encode_net
+        from edgefl_protocol.site_partials import encode_net
         fields = {"votes": encode_net(forged_net), "voters": len(updates)}
     key = b"k" * 32
     data = encode_partial(make_partial("f", site, 0, 1, 1, 0, stream, None, **fields), key)
@@ -100,7 +100,7 @@ def _partial(site: str, updates: list[dict], quorum: float, forged_net: np.ndarr
 
 
 def test_a_forged_partial_casts_at_most_one_vote_per_device_it_may_count():
-    from broker_coordinator.aggregation.partials import TreeSum
+    from broker_coordinator.aggregation.tree_sum import TreeSum
     rng = np.random.default_rng(3)
     honest = _honest(rng, 9)
     trigger = np.zeros(sum(int(np.prod(s)) for s in SPECS.values()), dtype=np.int32)
@@ -112,7 +112,7 @@ def test_a_forged_partial_casts_at_most_one_vote_per_device_it_may_count():
                                   ("evil", [backdoor, honest[8]], trigger)):
         tree.add(*_partial(site, updates, 0.3, forged))
     assert np.all(np.abs(tree.votes.net[390:400]) <= 2)  # the evil site's 2 devices, not its 1000 claimed
-    assert np.all(tree.mean()["w"][-1, -10:] == 0)  # 2 votes of 10 deltas: below the quorum of 3
+    assert np.all(tree.result()["w"][-1, -10:] == 0)  # 2 votes of 10 deltas: below the quorum of 3
     assert tree.unvoted > 0
 
 

@@ -16,13 +16,6 @@ import numpy as np
 import pytest
 
 from broker_coordinator.access.broker import COORDINATOR_USER
-from broker_coordinator.aggregation.partials import (
-    SiteTask,
-    decode_partial,
-    encode_center,
-    encode_partial,
-    encode_site_task,
-)
 from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
@@ -31,6 +24,13 @@ from broker_coordinator.simulation.local_sites import LocalSites
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import (
+    SiteTask,
+    decode_partial,
+    encode_center,
+    encode_partial,
+    encode_site_task,
+)
 from edgefl_protocol.transport import connect, make_client
 from models import datasets
 

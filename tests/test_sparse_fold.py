@@ -97,5 +97,5 @@ def test_the_robust_fold_of_nonzeros_is_the_dense_fold(aggregator):
         assert dense.centered  # the radius clipped someone
         for device, sketch in dense.sketches.items():
             np.testing.assert_allclose(sparse.sketches[device], sketch, rtol=1e-4, atol=1e-9)
-    for name, value in dense.mean().items():
-        np.testing.assert_allclose(sparse.mean()[name], value, rtol=1e-5, atol=1e-10)
+    for name, value in dense.result().items():
+        np.testing.assert_allclose(sparse.result()[name], value, rtol=1e-5, atol=1e-10)

@@ -56,7 +56,7 @@ def test_a_huge_delta_is_clipped_to_the_median_of_recent_norms():
     rnd = RobustRound(SPECS, bound, "mean")
     rnd.add("honest", {"w": np.full(4, 0.5, np.float32)}, 1.0)  # norm 1
     rnd.add("attacker", {"w": np.full(4, 5e5, np.float32)}, 1.0)  # norm 1e6
-    mean = rnd.mean()["w"]
+    mean = rnd.result()["w"]
     assert np.allclose(mean, (0.5 + 1.5 * 0.5) / 2)  # clipped to norm 1.5, same direction
     assert rnd.clipped["attacker"] == (pytest.approx(1e6), pytest.approx(1.5))
     assert max(bound.history) == pytest.approx(1.5)  # the history records the clipped norm, not the claim
@@ -73,7 +73,7 @@ def test_a_cold_start_holds_only_warmup_updates_and_clips_them_against_their_own
     for i in range(50):
         rnd.add(f"e{i}", {"w": np.full(4, 0.5, np.float32)}, 1.0)
         assert rnd.held == []
-    mean = rnd.mean()["w"]
+    mean = rnd.result()["w"]
     assert np.allclose(mean, (54 * 0.5 - 0.75) / 55)
 
 
@@ -103,7 +103,7 @@ def test_a_history_of_zeros_neither_freezes_the_federation_nor_lets_the_bounded_
         rnd = RobustRound(SPECS, bound, aggregator, center=center, radius=radius)
         for i in range(10):
             rnd.add(f"d{i}", honest, 1.0)
-        means.append(float(rnd.mean()["w"][0]))
+        means.append(float(rnd.result()["w"][0]))
     assert means[0] > 0  # never clipped to nothing
     assert means[-1] == pytest.approx(0.2) and not rnd.clipped and not rnd.centered  # recovered
     # one device's entry rises by at most GROWTH per record: a huge claim cannot drag the bound up
@@ -130,7 +130,7 @@ def test_centered_clip_bounds_what_a_reversed_update_moves_away_from_the_centre(
     assert distance == pytest.approx(2.0) and tau == pytest.approx(1.5 * 0.2)
     pulled = 0.5 - tau / 2  # c + tau * unit(delta - c): each of 4 coordinates moves tau / 2
     share = OUTLIER_SHARE / (1 - OUTLIER_SHARE) * 4  # what is left of its weight 1: the clipped hold 10%
-    assert np.allclose(rnd.mean()["w"], (4 * 0.55 + share * pulled) / (4 + share), atol=1e-6)
+    assert np.allclose(rnd.result()["w"], (4 * 0.55 + share * pulled) / (4 + share), atol=1e-6)
     assert set(rnd.centered) == {"attacker"} and rnd.outlier_scale == pytest.approx(share)
 
 
@@ -142,7 +142,7 @@ def test_robust_aggregators_ignore_a_minority_of_outliers(aggregator):
         rnd.add(f"d{i}", {"w": np.full(4, 1.0 + 0.01 * i, np.float32)}, 1.0)
     rnd.add("x", {"w": np.full(4, 1e6, np.float32)}, 1.0)
     rnd.add("y", {"w": np.full(4, -1e6, np.float32)}, 1.0)
-    assert np.all(np.abs(rnd.mean()["w"] - 1.035) < 0.05)
+    assert np.all(np.abs(rnd.result()["w"] - 1.035) < 0.05)
 
 
 def test_the_geometric_median_is_the_point_of_least_summed_distance_and_honours_weights():
@@ -245,7 +245,7 @@ def test_the_gate_leaves_out_a_reversed_update_and_keeps_the_majority():
     for i, d in enumerate(honest):
         rnd.add(f"h{i}", {"w": d}, 1.0)
     rnd.add("flip", {"w": -4 * honest[0]}, 1.0)
-    mean = rnd.mean()["w"]
+    mean = rnd.result()["w"]
     assert set(rnd.gated) == {"flip"} and rnd.gated["flip"] < 0
     assert np.allclose(mean, np.mean(honest, axis=0), atol=1e-5)
 
@@ -258,7 +258,7 @@ def test_a_root_reference_replaces_the_median():
         rnd.add(f"x{i}", {"w": -trusted}, 1.0)
     for i in range(2):
         rnd.add(f"h{i}", {"w": trusted}, 1.0)
-    rnd.mean()
+    rnd.result()
     assert len(rnd.gated) == 2 and all(d.startswith("x") for d in rnd.gated)  # half the round (3) is kept
 
 
@@ -328,7 +328,7 @@ def _round_with_one_attacker(n: int, attack: str, seed: int) -> float:
         bad *= 1e6 / np.linalg.norm(bad)
     rnd.add("attacker", {"w": bad.astype(np.float32)}, 1.0)
     assert "attacker" in rnd.centered
-    return float(np.linalg.norm(rnd.mean()["w"] - np.mean(honest, axis=0)))
+    return float(np.linalg.norm(rnd.result()["w"] - np.mean(honest, axis=0)))
 
 
 @pytest.mark.parametrize("attack", ["reversed", "random"])
@@ -354,7 +354,7 @@ def test_a_device_the_radius_keeps_clipping_fades_and_an_honest_outlier_recovers
         rnd.add("attacker", {"w": np.full(4, -0.5, np.float32)}, 1.0)  # distance 2.0, radius 0.3: 0.15 a round
         once = np.full(4, -0.5 if round_no == 0 else 0.55, np.float32)  # clipped in the first round only
         rnd.add("once", {"w": once}, 1.0)
-        rnd.mean()
+        rnd.result()
         shares.append(rnd.discounted.get("attacker", 1.0))
     assert shares == pytest.approx([1.0, 0.15, 0.05, 0.05])  # 0.15 x 0.15 is below MIN_STANDING
     assert "once" not in radius.standing  # 0.15, then x2 per update inside: 0.3, 0.6, 1

@@ -29,7 +29,7 @@ def _fold(updates: dict, banks: int, key: bytes = b"k" * 16) -> tuple[RobustRoun
         rnd.banks.key = key
     for device, delta in updates.items():
         rnd.add(device, delta, 1.0)
-    return rnd, rnd.mean()
+    return rnd, rnd.result()
 
 
 def test_a_flagged_update_is_held_back_in_its_own_round_and_its_bank_mates_with_it():

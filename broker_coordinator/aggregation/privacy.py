@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from broker_coordinator.aggregation.fold import FoldReport
 from broker_coordinator.aggregation.robust import l2_norm
 from broker_coordinator.aggregation.streaming import StreamingMean
 
@@ -88,8 +89,8 @@ class AdaptiveClip:
 
 
 class PrivateRound:
-    """One applied version's private fold: the interface of `robust.RobustRound` (add, mean,
-    count, clipped), with weights and steps ignored and the noise added in `mean`."""
+    """One applied version's private fold (`fold.Fold`, taking device updates as `robust.RobustRound`
+    does), with weights and steps ignored and the noise added in `result`."""
 
     def __init__(self, specs: Mapping[str, tuple[int, ...]], clip: float, z_delta: float, denominator: float,
                  count_noise: float | None = None) -> None:
@@ -106,8 +107,19 @@ class PrivateRound:
         # RobustRound's other records, empty here: the private fold pulls nothing towards a centre and
         # holds nothing, so each device's verdict (its own clip scale) is decided at `add`
         self.centered: dict[str, tuple[float, float]] = {}
-        self.held: list = []
-        self.released: dict[str, float] = {}  # what `mean` released beside the model: noise std, b~
+        self.released: dict[str, float] = {}  # what `result` released beside the model: noise std, b~
+        self.votes = None  # the private fold casts no sign votes
+
+    @property
+    def center(self) -> None:
+        return None
+
+    def undecided(self, device: str) -> bool:
+        return False  # each device's verdict (its own clip scale) is decided at `add`
+
+    def report(self) -> FoldReport:
+        """Which device was clipped is not released: the record gives the noisy unclipped fraction."""
+        return FoldReport(self.count, released=dict(self.released), private=True)
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float = 1.0, steps: int = 1,
             norm: float | None = None) -> None:
@@ -139,7 +151,7 @@ class PrivateRound:
         """The pre-noise sum (tests check its sensitivity)."""
         return {name: acc.copy() for name, acc in self.sums.items()}
 
-    def mean(self, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    def result(self, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
         """The noisy mean over the fixed denominator; call once per applied version."""
         if self.count == 0:
             raise ValueError("no updates were folded in")

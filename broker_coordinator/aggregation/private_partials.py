@@ -33,10 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from broker_coordinator.aggregation.partials import Partial, TreeSum
+from broker_coordinator.aggregation.fold import FoldReport
 from broker_coordinator.aggregation.privacy import PrivateRound
 from broker_coordinator.aggregation.robust import l2_norm
+from broker_coordinator.aggregation.tree_sum import PartialNotes
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import Partial
 
 SAMPLINGS = ("poisson", "fixed")
 
@@ -85,26 +87,38 @@ def partial_fields(fold: PrivateRound) -> dict[str, Any]:
     return {"clip": fold.clip, "unclipped": fold.unclipped}
 
 
-class PrivateTreeSum(TreeSum):
-    """The round's aggregate of private partials: TreeSum's bookkeeping (the devices' summaries and
-    evaluations), the clipped sums merged into the round's `PrivateRound`, whose `mean` adds the
-    noise. Nothing goes into `bounded`: how many devices were clipped is released only with noise."""
+class PrivateTreeSum:
+    """The round's aggregate of private partials (a `fold.Fold` of partials): the clipped sums merged
+    into the round's `PrivateRound`, whose `result` adds the noise, and the partials' notes (the
+    devices' summaries and evaluations). Nothing is bounded per site: how many devices were clipped
+    is released only with noise."""
 
     def __init__(self, fold: PrivateRound) -> None:
-        super().__init__(fold.specs, normalize_steps=False)
         self.fold = fold
+        self.notes = PartialNotes()
+        self.extras = None  # a private partial carries no extra tensors (`check`)
+        self.clipped: dict[str, tuple[float, float]] = {}
+        self.centered: dict[str, tuple[float, float]] = {}
+        self.gated: dict[str, float] = {}
 
     @property
     def count(self) -> int:
         return self.fold.count
 
     @property
+    def center(self) -> None:
+        return None
+
+    @property
     def clip(self) -> float:
         return self.fold.clip
 
-    @property
-    def released(self) -> dict[str, float]:
-        return self.fold.released
+    def undecided(self, device: str) -> bool:
+        return False
+
+    def report(self) -> FoldReport:
+        return FoldReport(self.count, reports=self.notes.reports, bytes_down=self.notes.bytes_down,
+                          released=dict(self.fold.released), private=True)
 
     def check(self, partial: Partial, sums: Mapping[str, np.ndarray]) -> None:
         """What the centre can verify of a site's private fold. Raises Rejected."""
@@ -125,10 +139,10 @@ class PrivateTreeSum(TreeSum):
 
     def add(self, partial: Partial, sums: Mapping[str, np.ndarray]) -> None:
         self.fold.merge({n: sums[n] for n in self.fold.specs}, partial.count, partial.unclipped)
-        self.note(partial)
+        self.notes.add(partial)
 
-    def mean(self, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
-        return self.fold.mean(rng)
+    def result(self, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+        return self.fold.result(rng)
 
     def clipped_sum(self) -> dict[str, np.ndarray]:
         return self.fold.clipped_sum()

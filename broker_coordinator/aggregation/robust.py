@@ -65,6 +65,7 @@ import numpy as np
 
 from broker_coordinator.aggregation.banks import VerdictBanks
 from broker_coordinator.aggregation.consensus import Consensus
+from broker_coordinator.aggregation.fold import FoldReport
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
 from broker_coordinator.aggregation.votes import SignVotes
@@ -148,6 +149,14 @@ class RobustRound:
     @property
     def streaming(self) -> bool:
         return self.aggregator in STREAMING
+
+    def undecided(self, device: str) -> bool:
+        return any(h.device == device for h in self.held)
+
+    def report(self) -> FoldReport:
+        return FoldReport(self.count, dict(self.clipped), dict(self.centered), dict(self.gated),
+                          dict(self.disagreeing or {}), dict(self.held_back), judged_kin=self.consensus is not None,
+                          unvoted=self.unvoted)
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
             norm: float | None = None) -> None:
@@ -246,7 +255,7 @@ class RobustRound:
         for h, delta in self._clip_held():
             self._fold(h.device, delta, h.weight, h.steps)
 
-    def mean(self) -> dict[str, np.ndarray]:
+    def result(self) -> dict[str, np.ndarray]:
         """The round's aggregate delta (called once, when the round closes)."""
         if self.count == 0:
             raise ValueError("no updates were folded in")

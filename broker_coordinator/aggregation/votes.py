@@ -21,8 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from edgefl_protocol import compression
-from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import encode_net
 from edgefl_protocol.sparse_delta import SparseDelta
 
 
@@ -59,23 +58,8 @@ class SignVotes:
         return out, 1.0 - float(keep.mean())
 
 
-# on a site's partial: the net counts, int32 little-endian, compressed as tensor bodies are (most are
-# small: a few hundred KB of zeros and ones compress to tens)
-def encode_net(net: np.ndarray) -> bytes:
-    return compression.compress(np.asarray(net, dtype="<i4").tobytes(), "zlib")
-
-
-def decode_net(data: bytes, size: int) -> np.ndarray:
-    """A partial's net votes, exactly `size` of them. Raises Rejected."""
-    raw = compression.decompress(data, "zlib", 4 * size)
-    if len(raw) != 4 * size:
-        raise Rejected("schema", f"partial: votes must be {size} int32 counts, one per parameter")
-    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
-
-
-def vote_fields(aggregate: object) -> dict[str, object]:
+def vote_fields(votes: SignVotes | None) -> dict[str, object]:
     """What a site's partial carries of its fold's votes: {} when the stage is off."""
-    votes = getattr(aggregate, "votes", None)
     if votes is None:
         return {}
     return {"votes": encode_net(votes.net), "voters": votes.count}

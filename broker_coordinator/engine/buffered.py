@@ -36,13 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.aggregation.damping import DampedUpdates
 from broker_coordinator.aggregation.staleness import staleness_factor
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed
 from broker_coordinator.engine.intake import Judged, _clock
@@ -67,45 +64,6 @@ class Ticket:
     device: str
     version: int  # the model version the task trains from
     deadline: float
-
-
-class DampedAggregate:
-    """A buffer's robust fold, scaled on the way out by sum n_k f(s_k) / sum n_k (FedBuff's damping
-    of stale buffers), taken over every update folded in, including any the direction gate leaves
-    out. Everything else is the wrapped `RobustRound`'s."""
-
-    def __init__(self, robust: RobustRound) -> None:
-        self.robust = robust
-        self.weight = 0.0  # sum n_k f(s_k): the weights the fold was given
-        self.undamped = 0.0  # sum n_k
-        self.stale = 0.0  # sum n_k s_k
-
-    def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
-            norm: float | None = None) -> None:
-        self.robust.add(device, delta, weight, steps, norm)
-
-    def damp(self, weight: float, factor: float, staleness: int) -> None:
-        """Record that an update of fold weight n_k f(s_k) = `weight` was `staleness` versions old
-        and had the factor f(s_k)."""
-        self.weight += weight
-        self.undamped += weight / factor
-        self.stale += weight / factor * staleness
-
-    @property
-    def delay(self) -> float:
-        """The mean staleness of the buffer's updates, weighted by n_k (the server rule's `pace`)."""
-        return self.stale / self.undamped if self.undamped else 0.0
-
-    @property
-    def damping(self) -> float:
-        return self.weight / self.undamped if self.undamped else 1.0
-
-    def mean(self) -> dict[str, np.ndarray]:
-        damping = self.damping
-        return {name: (a * damping).astype(np.float32) for name, a in self.robust.mean().items()}
-
-    def __getattr__(self, name: str) -> Any:  # count, clipped, gated: the robust fold's
-        return getattr(self.robust, name)
 
 
 class BufferedCoordinator(Coordinator):
@@ -153,7 +111,7 @@ class BufferedCoordinator(Coordinator):
     def _open_buffer(self, round_no: int) -> Round:
         s = self.settings
         rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, len(self.online))
-        rnd.aggregate = DampedAggregate(rnd.aggregate)  # type: ignore[assignment]
+        rnd.aggregate = DampedUpdates(rnd.aggregate)
         self.folded = set()
         self._set_state(rnd, RoundState.COLLECTING)
         return rnd
@@ -162,7 +120,7 @@ class BufferedCoordinator(Coordinator):
         stale = [m["staleness"] for m in buffer.device_metrics.values() if "staleness" in m]
         dropped = buffer.rejected.get("too_stale", 0)
         return (f"buffer of {buffer.aggregate.count}: staleness {min(stale, default=0)}-{max(stale, default=0)}, "
-                f"damping {buffer.aggregate.damping:.3f}" + (f", {dropped} too stale dropped" if dropped else ""))
+                f"damping {buffer.aggregate.report().damping:.3f}" + (f", {dropped} too stale dropped" if dropped else ""))
 
     def _dispatch(self, buffer: Round) -> None:
         """A task for every idle device without one (at most `clients_per_round` out at a time; 0 = no cap)."""

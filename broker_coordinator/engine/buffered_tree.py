@@ -22,20 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
-from broker_coordinator.aggregation.partials import (
-    VOTES,
-    Partial,
-    SiteTask,
-    decode_partial,
-    encode_center,
-    encode_site_task,
-    site_topic,
-)
+from broker_coordinator.aggregation.damping import DampedPartials
 from broker_coordinator.aggregation.staleness import staleness_factor
 from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
 from broker_coordinator.engine.coordinator import Coordinator
@@ -45,6 +34,14 @@ from broker_coordinator.engine.tree import TreeCoordinator, quotas, site_margin
 from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import (
+    Partial,
+    SiteTask,
+    decode_partial,
+    encode_center,
+    encode_site_task,
+)
+from edgefl_protocol.topics import site_topic
 
 log = logging.getLogger("broker_coordinator")
 
@@ -52,38 +49,6 @@ log = logging.getLogger("broker_coordinator")
 def tree_class(settings: RoundSettings) -> type[Coordinator]:
     """The coordinator of a federation in sites that runs `settings.mode`."""
     return BufferedTreeCoordinator if settings.mode == "buffered" else TreeCoordinator
-
-
-class DampedTreeSum:
-    """A buffer of partials: the tree's aggregate fed each partial's sums times its staleness factor
-    (its weight unscaled), so the mean is FedBuff's damped step. Everything else is the wrapped
-    aggregate's (count of device updates, bounds, summaries)."""
-
-    def __init__(self, tree_sum: Any) -> None:
-        self.tree_sum = tree_sum
-        self.weight = 0.0  # sum W_j f(s_j)
-        self.undamped = 0.0  # sum W_j
-        self.stale = 0.0  # sum W_j s_j
-
-    def add_damped(self, partial: Partial, sums: Mapping[str, np.ndarray], factor: float, staleness: int) -> None:
-        # the sums damped by staleness; a vote is a count, and stays one
-        self.tree_sum.add(partial, {name: a if name == VOTES else np.asarray(a, dtype=np.float64) * factor
-                                    for name, a in sums.items()})
-        self.weight += partial.total_weight * factor
-        self.undamped += partial.total_weight
-        self.stale += partial.total_weight * staleness
-
-    @property
-    def delay(self) -> float:
-        """The mean staleness of the buffer's partials, weighted by W_j (the server rule's `pace`)."""
-        return self.stale / self.undamped if self.undamped else 0.0
-
-    @property
-    def damping(self) -> float:
-        return self.weight / self.undamped if self.undamped else 1.0
-
-    def __getattr__(self, name: str) -> Any:  # count, mean, clipped, gated, bounded, extras, ...
-        return getattr(self.tree_sum, name)
 
 
 class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
@@ -97,8 +62,9 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
     def _open_buffer(self, round_no: int) -> Round:
         s = self.settings
         rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, self.population())
-        rnd.aggregate = DampedTreeSum(self.tree_sum(round_no, {}))  # type: ignore[assignment]
-        self.extras = rnd.aggregate.extras
+        tree_sum = self.tree_sum(round_no, {})
+        self.extras = tree_sum.extras
+        rnd.aggregate = DampedPartials(tree_sum)
         self.folded = set()
         self._set_state(rnd, RoundState.COLLECTING)
         return rnd
@@ -143,7 +109,7 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
             return
         assert current is not None
         factor = staleness_factor(self.settings.staleness_weight, staleness)
-        current.aggregate.add_damped(partial, sums, factor, staleness)  # type: ignore[attr-defined]
+        current.aggregate.add(partial, sums, factor=factor, staleness=staleness)
         sender = f"{site}/{partial.worker}"
         self._book_partial(current, site, sender, partial)
         current.device_metrics[sender].update(staleness=staleness, staleness_factor=round(factor, 4))
@@ -185,12 +151,3 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
                                         f"server is at version {self.version}, {staleness} versions later, and "
                                         f"accepts at most {self.settings.max_staleness} ([rounds] max_staleness)")
         return staleness
-
-    def _record(self, rnd: Round, *args: Any, **kwargs: Any) -> Any:
-        """The tree's record (devices counted, not partials), read off the undamped aggregate."""
-        damped = rnd.aggregate
-        rnd.aggregate = damped.tree_sum if isinstance(damped, DampedTreeSum) else damped  # type: ignore[assignment]
-        try:
-            return super()._record(rnd, *args, **kwargs)
-        finally:
-            rnd.aggregate = damped

@@ -364,13 +364,14 @@ class Coordinator(UpdateIntake, DevicePresence, ModelReleases, RoundRecords):
         self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
         self.verdicts.forget(round_no - REPLAY_ROUNDS + 1)
         if rnd.train:
-            aggregate = rnd.aggregate.mean()
+            aggregate = rnd.aggregate.result()
             self._flushed(rnd)  # the verdicts the close decided go out
+            report = rnd.aggregate.report()
             if self.privacy:
-                self.privacy.applied(rnd.aggregate)
+                self.privacy.applied(report)
             self.center = aggregate
             # buffered mode: the damping and staleness of the step (a sync round: 1 and 0)
-            self.server_rule.pace(getattr(rnd.aggregate, "damping", 1.0), getattr(rnd.aggregate, "delay", 0.0))
+            self.server_rule.pace(report.damping, report.delay)
             proposed = self.server_rule.new_global(self.weights, aggregate,
                                                    self.extras.mean() if self.extras is not None else None)
             self.weights = self.server_optimizer.apply(self.weights, proposed, aggregate)

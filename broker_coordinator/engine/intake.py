@@ -240,7 +240,7 @@ class UpdateIntake:
                 raise Rejected("schema", f"evaluation report measures {answer.metric!r}; this federation's "
                                          f"metric is {self.objective.metric!r}")
             return answer
-        released = getattr(self, "released_sha", {}).get(answer.model_version)
+        released = self.released_sha.get(answer.model_version)
         reported = answer.metrics.get("model_sha")
         if released and isinstance(reported, str) and reported and not released.startswith(reported):
             raise Rejected("wrong_base", f"update was trained on model {reported[:16]}, but version "

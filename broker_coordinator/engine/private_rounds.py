@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.aggregation.accountant import Accountant, Ledger, Sampling
+from broker_coordinator.aggregation.fold import FoldReport
 from broker_coordinator.aggregation.privacy import (
     AdaptiveClip,
     PrivateRound,
@@ -130,12 +131,12 @@ class PrivateRounds:
         return PrivateRound(specs, self.clip.clip, self.z_delta, self.cohort_size,
                             self.count_stddev if self.settings.adaptive else None)
 
-    def applied(self, fold: PrivateRound) -> None:
+    def applied(self, report: FoldReport) -> None:
         """After the noisy mean was taken: spend the version's budget and move the clip."""
         self.ledger.record(self.sampling, self.z)
-        self.last = dict(fold.released)
-        if "unclipped_fraction" in fold.released:
-            self.clip.update(fold.released["unclipped_fraction"])
+        self.last = dict(report.released)
+        if "unclipped_fraction" in report.released:
+            self.clip.update(report.released["unclipped_fraction"])
 
     # in sites (aggregation/private_partials.py): the sites draw and clip, the centre adds the noise
     def site_privacy(self) -> SitePrivacy:

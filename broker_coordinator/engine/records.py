@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from broker_coordinator.aggregation.fold import FoldReport
 from broker_coordinator.engine.rounds import Round
 from broker_coordinator.reporting.evaluation import federated_score
 from broker_coordinator.settings.round_settings import RoundRecord
@@ -46,33 +47,30 @@ class RoundRecords:
 
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
-        if self.privacy:  # which device was clipped is not released (the record gives the noisy fraction)
-            rnd.aggregate.clipped = {}
-        clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
+        report = rnd.aggregate.report()
+        clipped = {"norm": len(report.clipped)} if report.clipped else {}
         # bounding an honest update is routine (the round line counts it): INFO, not a warning
-        for device, (norm, bound) in rnd.aggregate.clipped.items():
+        for device, (norm, bound) in report.clipped.items():
             log.info("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
             self.metrics.bounded.labels("norm").inc()
-        centered = getattr(rnd.aggregate, "centered", {})
-        for device, (distance, radius) in centered.items():
+        for device, (distance, radius) in report.centered.items():
             log.info("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
                      rnd.number, device, distance, radius)
             self.metrics.bounded.labels("center").inc()
             rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
-        if centered:
-            clipped["center"] = len(centered)
+        if report.centered:
+            clipped["center"] = len(report.centered)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
-        disagreeing = getattr(rnd.aggregate, "disagreeing", None) or {}
-        for device, cosine in disagreeing.items():
+        for device, cosine in report.disagreeing.items():
             log.warning("round %d: update from %s points away from its round (median cosine %.3f with the "
                         "others): its weight from its next update on is %.2f of its claim", rnd.number, device,
                         cosine, self.consensus.of(device))
             self.metrics.bounded.labels("disagreed").inc()
             rnd.device_metrics.setdefault(device, {})["disagreed"] = f"median cosine {cosine:.3f}"
-        if disagreeing:
-            clipped["disagreed"] = len(disagreeing)
-        kin = self.consensus.kin if getattr(rnd.aggregate, "consensus", None) is self.consensus else {}
+        if report.disagreeing:
+            clipped["disagreed"] = len(report.disagreeing)
+        kin = self.consensus.kin if report.judged_kin else {}
         for device, (closest, cosine) in kin.items():
             log.warning("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): its "
                         "weight from its next update on is %.2f of its claim", rnd.number, device, closest,
@@ -81,25 +79,24 @@ class RoundRecords:
             rnd.device_metrics.setdefault(device, {})["kin"] = f"{closest} (path cosine {cosine:.3f})"
         if kin:
             clipped["kin"] = len(kin)
-        held_back = getattr(rnd.aggregate, "held_back", None) or {}
-        for device, scale in held_back.items():
+        for device, scale in report.held_back.items():
             log.warning("round %d: update from %s folded at %.2f of its weight: its partial sum holds an update "
                         "this round flagged (verdict_banks)", rnd.number, device, scale)
             self.metrics.bounded.labels("held_back").inc()
             rnd.device_metrics.setdefault(device, {})["held_back"] = f"{scale:.2f}"
-        if held_back:
-            clipped["held_back"] = len(held_back)
-        for device, cosine in rnd.aggregate.gated.items():
+        if report.held_back:
+            clipped["held_back"] = len(report.held_back)
+        for device, cosine in report.gated.items():
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)
             self.metrics.bounded.labels("direction").inc()
             rnd.device_metrics.setdefault(device, {})["left_out"] = f"direction (cosine {cosine:.2f})"
-        for device, (norm, bound) in rnd.aggregate.clipped.items():
+        for device, (norm, bound) in report.clipped.items():
             rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
-        if rnd.aggregate.gated:
-            clipped["direction"] = len(rnd.aggregate.gated)
-        left_out = self._left_out(rnd, closed)
-        unvoted = getattr(rnd.aggregate, "unvoted", None)
+        if report.gated:
+            clipped["direction"] = len(report.gated)
+        left_out = self._left_out(rnd, report, closed)
+        unvoted = report.unvoted
         if unvoted is not None:
             self.metrics.unvoted.set(unvoted)
             log.info("round %d: the sign votes held %.1f%% of the parameters still", rnd.number, 100 * unvoted)
@@ -117,16 +114,15 @@ class RoundRecords:
                            privacy=self.privacy.summary() if self.privacy else {},
                            unvoted=unvoted)
 
-    def _left_out(self, rnd: Round, closed: str) -> float:
+    def _left_out(self, rnd: Round, report: FoldReport, closed: str) -> float:
         """The fraction of the round's accepted updates the fold left out (an abandoned attempt folded
         none), also a Prometheus gauge; each device's verdict goes into its entry of the record."""
-        count = rnd.aggregate.count if rnd.train else 0
-        left = count if closed == "abandoned" else len(rnd.aggregate.gated)
+        count = report.count if rnd.train else 0
+        left = count if closed == "abandoned" else len(report.gated)
         fraction = left / count if count else 0.0
         self.metrics.left_out.set(fraction)
-        verdicts = getattr(self, "verdicts", None)
         for device, metrics in rnd.device_metrics.items():
-            verdict = verdicts.of((device, rnd.number, rnd.attempt)) if verdicts is not None else None
+            verdict = self.verdicts.of((device, rnd.number, rnd.attempt))
             if verdict is not None and verdict.kind:
                 metrics["verdict"] = verdict.kind
         return fraction

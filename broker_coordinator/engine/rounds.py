@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.aggregation.fold import Fold
 
 
 class RoundFailed(Exception):
@@ -52,7 +52,7 @@ class Round:
     cohort: set[str]
     deadline: float
     base_version: int
-    aggregate: RobustRound
+    aggregate: Fold  # device updates, or a site's partials; maybe wrapped in stages (damping)
     state: RoundState = RoundState.OPEN
     started: float = field(default_factory=time.time)
     answered: set[str] = field(default_factory=set)

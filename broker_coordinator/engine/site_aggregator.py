@@ -49,18 +49,6 @@ from typing import Any
 import msgpack
 
 from broker_coordinator.aggregation.consensus import Consensus
-from broker_coordinator.aggregation.partials import (
-    Partial,
-    SiteTask,
-    decode_center,
-    decode_site_task,
-    encode_partial,
-    make_partial,
-    pooled_evaluation,
-    site_task_cap,
-    site_topic,
-    summarize,
-)
 from broker_coordinator.aggregation.privacy import PrivateRound
 from broker_coordinator.aggregation.private_partials import partial_fields, site_privacy
 from broker_coordinator.aggregation.robust import RobustRound
@@ -78,6 +66,18 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol import algorithms, codec, messages, topics
 from edgefl_protocol.algorithms.base import ServerRule
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import (
+    Partial,
+    SiteTask,
+    decode_center,
+    decode_site_task,
+    encode_partial,
+    make_partial,
+    pooled_evaluation,
+    site_task_cap,
+    summarize,
+)
+from edgefl_protocol.topics import site_topic
 from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights
 from models.objectives import Objective
@@ -129,8 +129,14 @@ class SiteRule:
         self.reads: set[str] = set()
         self.per_device = type(rule).observe is not ServerRule.observe  # keeps per-device state?
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.rule, name)
+    def start_round(self, round_no: int, population: int) -> None:
+        self.rule.start_round(round_no, population)
+
+    def extra_specs(self, specs: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        return self.rule.extra_specs(specs)
+
+    def weight(self, num_samples: float, metrics: Mapping[str, Any]) -> float:
+        return self.rule.weight(num_samples, metrics)
 
     def observe(self, device: str, num_samples: int, metrics: Mapping[str, Any]) -> None:
         self.rule.observe(device, num_samples, ReadKeys(metrics, self.reads))
@@ -156,6 +162,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         self.objective = Objective()
         self.rejections: Counter[str] = Counter()
         self.accepted: dict[tuple[str, int, int], str] = {}
+        self.released_sha: dict[int, str] = {}  # the centre releases the models: no hash to check them against
         self.verdicts = Verdicts()  # the same verdict receipts as the coordinator's (engine/verdicts.py)
         self.closed_at: dict[int, float] = {}
         self.last_metrics: dict[str, dict[str, Any]] = {}
@@ -369,26 +376,27 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         per_device = isinstance(rule, SiteRule) and rule.per_device
         observed = ([[d, int(m.get("num_samples", 0)), {k: v for k, v in m.items() if k in rule.reads}]
                      for d, m in rnd.device_metrics.items()] if per_device else [])
-        clipped = {"norm": len(rnd.aggregate.clipped)} if rnd.aggregate.clipped else {}
-        if rnd.aggregate.centered:
-            clipped["center"] = len(rnd.aggregate.centered)
-        if disagreeing := getattr(rnd.aggregate, "disagreeing", None):
-            clipped["disagreed"] = len(disagreeing)
-        if getattr(rnd.aggregate, "consensus", None) is self.consensus and self.consensus.kin:
+        report = rnd.aggregate.report()
+        clipped = {"norm": len(report.clipped)} if report.clipped else {}
+        if report.centered:
+            clipped["center"] = len(report.centered)
+        if report.disagreeing:
+            clipped["disagreed"] = len(report.disagreeing)
+        if report.judged_kin and self.consensus.kin:
             clipped["kin"] = len(self.consensus.kin)
             for device, (closest, cosine) in self.consensus.kin.items():
                 log.warning("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): "
                             "it weighs %.2f from its next update on", rnd.number, device, closest, cosine,
                             self.consensus.of(device))
-        if held_back := getattr(rnd.aggregate, "held_back", None):
-            clipped["held_back"] = len(held_back)
+        if report.held_back:
+            clipped["held_back"] = len(report.held_back)
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,
                             self.extras, rejected=dict(rnd.rejected), refused=len(rnd.refused), clipped=clipped,
                             bytes_up=rnd.bytes_up, summary=summarize(rnd.device_metrics), observed=observed,
                             selected=len(rnd.cohort) if self.leader else 0,
-                            evaluation=pooled_evaluation(rnd.evaluations), **vote_fields(rnd.aggregate),
+                            evaluation=pooled_evaluation(rnd.evaluations), **vote_fields(rnd.aggregate.votes),
                             **(partial_fields(rnd.aggregate) if isinstance(rnd.aggregate, PrivateRound) else {}))
 
     def _send_partial(self, rnd: Round, why: str) -> None:

@@ -21,23 +21,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from broker_coordinator.access.sites import partial_allowance
-from broker_coordinator.aggregation.partials import (
-    SiteTask,
-    TreeSum,
-    all_site_topics,
-    decode_partial,
-    encode_center,
-    encode_site_task,
-    parse_site_topic,
-    site_topic,
-)
+from broker_coordinator.aggregation.private_partials import PrivateTreeSum
 from broker_coordinator.aggregation.robust import OUTLIER_SHARE
+from broker_coordinator.aggregation.tree_sum import TreeSum
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.site_aggregator import site_rules
@@ -45,6 +36,8 @@ from broker_coordinator.settings import composition
 from broker_coordinator.settings.choices import STREAMING
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import SiteTask, decode_partial, encode_center, encode_site_task
+from edgefl_protocol.topics import all_site_topics, parse_site_topic, site_topic
 from models.objectives import Evaluation
 
 log = logging.getLogger("broker_coordinator")
@@ -99,7 +92,7 @@ class TreeCoordinator(Coordinator):
     def _trust_state(self) -> dict:
         return {**super()._trust_state(), "site_standing": dict(self.site_standing)}
 
-    def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum:
+    def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum | PrivateTreeSum:
         """The round's aggregate of partials, each site bounded as one more device of the centre (see
         `TreeSum`): at most its quota (or the registry's count of its devices) of updates, a weight and a
         length against the other sites'. With [privacy], the private sum of clipped sums instead, noised
@@ -270,14 +263,14 @@ class TreeCoordinator(Coordinator):
     def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
         record = super()._record(rnd, base_sha, model_sha, closed, central)
-        if isinstance(rnd.aggregate, TreeSum):  # counts of devices, not of partials
-            record.clipped = dict(Counter(rnd.aggregate.bounded))
-            record.selected = sum(m.get("selected", 0) for m in rnd.device_metrics.values())
-            record.participants = _devices_counted(rnd)
-            # the sites' devices report what they received (a measurement, trusted for nothing)
-            record.bytes_down = int(rnd.aggregate.summary.get("bytes_down", [0, 0.0])[1])
-            if record.federated:
-                record.federated["devices"] = rnd.aggregate.reports
+        report = rnd.aggregate.report()  # counts of devices, not of partials
+        record.clipped = dict(report.bounded)
+        record.selected = sum(m.get("selected", 0) for m in rnd.device_metrics.values())
+        record.participants = _devices_counted(rnd)
+        # the sites' devices report what they received (a measurement, trusted for nothing)
+        record.bytes_down = report.bytes_down
+        if record.federated:
+            record.federated["devices"] = report.reports
         return record
 
     def wait_for_devices(self, count: int, timeout: float, progress: Any = None) -> None:
@@ -293,9 +286,9 @@ class TreeCoordinator(Coordinator):
 
 def _devices_counted(rnd: Round) -> int:
     """Devices that count towards the quorum: updates folded, or (evaluation-only) devices reporting."""
-    aggregate = rnd.aggregate
-    assert isinstance(aggregate, TreeSum)
-    return aggregate.count if rnd.train else aggregate.reports
+    if rnd.train:
+        return rnd.aggregate.count
+    return sum(m.get("evaluated", 0) for m in rnd.device_metrics.values())
 
 
 def _count(profile: Mapping[str, Any], key: str) -> int:

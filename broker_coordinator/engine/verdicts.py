@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from broker_coordinator.aggregation.fold import Fold
+
 log = logging.getLogger("broker_coordinator")
 FOLDED, CLIPPED, LEFT_OUT, PENDING = "folded", "clipped", "left_out", "pending"
 NOT_FOLDED = "not_folded"  # on a rejection: the coordinator vouches that it never accepted it
@@ -99,13 +101,12 @@ class Verdicts:
         """Taken just before `add`: the entries (if any) an earlier update of the device left."""
         return aggregate.clipped.get(device), aggregate.centered.get(device)
 
-    def on_fold(self, aggregate: Any, key: Key, delta: Mapping[str, np.ndarray], streaming: bool,
+    def on_fold(self, aggregate: Fold, key: Key, delta: Mapping[str, np.ndarray], streaming: bool,
                 mark: tuple[Any, Any] = (None, None)) -> Verdict:
         """Right after `aggregate.add`: the verdict if the fold decided at once, else pending."""
         device = key[0]
-        center = getattr(aggregate, "center", None)
-        decided = streaming and all(h.device != device for h in aggregate.held)
-        if not decided:
+        center = aggregate.center
+        if aggregate.undecided(device):
             self.pending[key] = (aggregate, _dot_ratio(center, delta))
             return Verdict(PENDING, 1.0, "the fold decides at " + ("the cold start's flush" if streaming
                                                                    else "the round's close"))
@@ -115,13 +116,12 @@ class Verdicts:
         self.decided[key] = verdict
         return verdict
 
-    def settle(self, aggregate: Any) -> list[tuple[Key, Verdict]]:
+    def settle(self, aggregate: Fold) -> list[tuple[Key, Verdict]]:
         """The pending updates of `aggregate` the fold has decided since: after a flush, or at the
         close (after `mean()` or `streamed()`)."""
-        held = {h.device for h in getattr(aggregate, "held", [])}  # a tree's TreeSum holds none
         out = []
         for key, (agg, ratio) in list(self.pending.items()):
-            if agg is aggregate and key[0] not in held:
+            if agg is aggregate and not aggregate.undecided(key[0]):
                 del self.pending[key]
                 self.decided[key] = judge(agg, key[0], ratio)
                 out.append((key, self.decided[key]))

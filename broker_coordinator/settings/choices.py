@@ -25,7 +25,7 @@ EVALUATE_MODES = ("auto", "central", "devices", "both")
 MODES = ("sync", "buffered")
 TOPOLOGIES = ("flat", "sites")
 # the server optimizer applied to each round's (or buffered version's) step (aggregation/server_optimizer.py),
-# and its server_lr when [rounds] server_lr is not set: 1.0 keeps sgd's step the server rule's own; momentum's
+# and its server_lr when [server_optimizer] server_lr is not set: 1.0 keeps sgd's step the server rule's own; momentum's
 # 1 - server_momentum makes its long-run step on a steady pseudo-gradient the same length (Hsu et al.'s
 # effective rate 1); the adaptive ones' are Flower's FedYogi / FedAdagrad defaults (adam takes yogi's)
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adam", "yogi", "adagrad")

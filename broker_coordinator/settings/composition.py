@@ -3,7 +3,7 @@
 A feature either works in every schedule (`sync`, `buffered`) and topology (`flat`, `sites`), or
 one rule here refuses the combination with its reason. `run`, `simulate`, `site-aggregator` and
 `broker-config` all load their settings through it (`RoundSettings.validate` for the schedule,
-`config.load` and `TreeCoordinator` for the topology), so a refusal is worded once and always
+`config.load_config` and `TreeCoordinator` for the topology), so a refusal is worded once and always
 comes before anything starts. docs/ARCHITECTURE.md lists `RULES` ("What runs together").
 
 Each rule says whether its reason is mathematical (the combination cannot be defined), measured
@@ -15,12 +15,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from broker_coordinator.settings.choices import STREAMING, TOPOLOGIES
 
-if TYPE_CHECKING:
-    from broker_coordinator.settings.round_settings import RoundSettings
+
+class Settings(Protocol):
+    """What the rules read of a federation's settings (`RoundSettings` has it all). A protocol, so
+    that this module needs nothing of `round_settings`, whose `validate` calls `check`."""
+
+    privacy: Any  # PrivacySettings: .on (central), .device_dp
+    algorithm: str
+    aggregator: str
+    weighting: str
+    normalize_steps: bool
+    selection: str
+    sign_quorum: float
+    kinship: float
+    agreement_floor: float
+    verdict_banks: int
+    mode: str
+    eval_only_every: int
+
+    def task_hparams(self, round_no: int) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -28,12 +45,12 @@ class Rule:
     combination: str  # what is refused, in config keys
     kind: str  # "mathematical" | "measured" | "not built"
     reason: str
-    applies: Callable[[RoundSettings, str], bool]
+    applies: Callable[[Settings, str], bool]
     fix: str  # what to set instead
-    detail: Callable[[RoundSettings], str] | None = None  # the settings' own words, when they have them
+    detail: Callable[[Settings], str] | None = None  # the settings' own words, when they have them
 
 
-def _private(s: RoundSettings) -> bool:
+def _private(s: Settings) -> bool:
     return s.privacy.on
 
 
@@ -51,14 +68,14 @@ def _beyond_the_clip(setting: str, reason: str) -> Rule:
                 lambda s, t: _private(s) and getattr(s, setting) > 0, f"{setting} = 0")
 
 
-def _sam_family(s: RoundSettings) -> bool:
+def _sam_family(s: Settings) -> bool:
     """Whether the algorithm's client rule takes SAM's ascent step (it overrides `perturbation`)."""
     from edgefl_protocol import algorithms
     from edgefl_protocol.algorithms.base import ClientRule
     return algorithms.get(s.algorithm).client.perturbation is not ClientRule.perturbation
 
 
-def _reads_devices(s: RoundSettings) -> str:
+def _reads_devices(s: Settings) -> str:
     """What an algorithm's server rule takes from the devices besides the clipped delta ("" = nothing)."""
     from edgefl_protocol import algorithms
     from edgefl_protocol.algorithms.base import ServerRule
@@ -134,14 +151,14 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def refusals(settings: RoundSettings, topology: str = "flat") -> list[Rule]:
+def refusals(settings: Settings, topology: str = "flat") -> list[Rule]:
     """The rules that refuse these settings in this topology (empty: they compose)."""
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     return [rule for rule in RULES if rule.applies(settings, topology)]
 
 
-def check(settings: RoundSettings, topology: str = "flat") -> None:
+def check(settings: Settings, topology: str = "flat") -> None:
     """Raise ValueError naming every refused combination, its reason and what to set instead."""
     refused = refusals(settings, topology)
     if refused:

@@ -6,7 +6,7 @@
     task = "classification"              # classification | regression
     loss = ""                            # regression: mse (default) | mae; classification: cross_entropy
     test_data = "/var/lib/edgefl-coordinator/test.npz"   # held-out set (arrays x, y); "" = none: the devices
-                                         # evaluate on their held-out slices ([rounds] evaluate)
+                                         # evaluate on their held-out slices ([evaluation] evaluate)
     rounds = 0                           # 0 = run until stopped
     seed = 0
     root_data = ""                       # trusted (x, y) for reference = "root"; never the test set
@@ -32,14 +32,23 @@
     reload_command = "systemctl reload mosquitto.service"  # ...or this runs, if the pid is not ours to signal
     message_size_limit = 0               # bytes; 0 = sized to the model
 
-    [rounds]                             # every field of coordinator.RoundSettings
+    # how rounds run, one section per concern (round_sections.py has every key, its default and
+    # what it does; in 0.1 they all sat in [rounds], which still works: round_config.py)
+    [schedule]
+    mode = "sync"                        # sync | buffered (FedBuff-style versions: buffer_size, max_staleness, ...)
     clients_per_round = 10               # 0 (the default): every eligible device
     min_updates = 1                      # quorum to close a round at its deadline
     round_timeout = 300.0
+
+    [algorithm]
+    algorithm = "dynsam"                 # the client and server rule (docs/ALGORITHMS.md)
     local_epochs = 0                     # 0 = devices choose from their speed and the deadline
+    hparams = { dual_decay = 1.0 }       # the algorithm's own hyper-parameters, over its defaults
+
+    [fold]
+    aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median | geomed
     weighting = "capped"                 # capped | uniform | reported: what a device's sample count may weigh
     norm_bound = 1.5                     # clip updates to this x the median norm of recent ones (0 = off)
-    aggregator = "centered_clip"         # centered_clip | mean (streaming) | gated_mean | trimmed_mean | median | geomed
     sign_quorum = 0.0                    # > 0: a parameter moves only where this share of a round's updates agree
                                          # on its sign (against backdoors; costs accuracy on small models: RESEARCH.md)
     kinship = 0.0                        # centered_clip: > 0 (0.4 measured) flags devices whose updates depart alike
@@ -48,6 +57,16 @@
                                          # cosine (0.05 measured: fewer honest flags; RESEARCH.md)
     verdict_banks = 0                    # centered_clip: > 0 (8 measured) lets a round's flags hold back its own
                                          # updates, at the price of their bank-mates; memory this x model
+
+    [server_optimizer]
+    server_optimizer = "sgd"             # sgd | momentum | adam | yogi | adagrad, on the fold's step
+
+    [transfer]
+    codec = "auto"                       # the devices' uplink codec
+    downlink = "full"                    # full | delta (lossy deltas to devices holding a recent model)
+
+    [evaluation]
+    evaluate = "auto"                    # central | devices | both | auto (central when test_data is set)
     serve_average = 0.75                 # evaluate/keep/serve an average of the global models (0 = the last one)
 
     [privacy]                            # user-level differential privacy (settings/privacy_settings.py)
@@ -76,7 +95,7 @@
     bridge_tls = "auto"                  # auto = TLS when this broker has TLS | on | off
 
 Environment overrides: EDGEFL_COORDINATOR_<SECTION>_<KEY>, e.g.
-EDGEFL_COORDINATOR_BROKER_PASSWORD.
+EDGEFL_COORDINATOR_BROKER_PASSWORD or EDGEFL_COORDINATOR_FOLD_NORM_BOUND.
 """
 
 from __future__ import annotations
@@ -86,7 +105,6 @@ from pathlib import Path
 from typing import Any
 
 from broker_coordinator.settings import composition
-from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.site_settings import SiteSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
 from edgefl_protocol import topics
@@ -106,7 +124,7 @@ class FederationSettings:
     loss: str = ""  # "" = the task's default: cross_entropy, or mse for regression
     rounds: int = 0
     seed: int = 0
-    root_data: str = ""  # a small trusted labelled set (x, y), for [rounds] reference = "root"
+    root_data: str = ""  # a small trusted labelled set (x, y), for [fold] reference = "root"
 
     def validate(self) -> None:
         topics.check_name("federation", self.name)
@@ -196,7 +214,7 @@ class MetricsSettings:
 class CoordinatorConfig:
     federation: FederationSettings
     broker: CoordinatorBroker
-    rounds: Any  # coordinator.RoundSettings; None when loaded with with_rounds=False
+    rounds: Any  # RoundSettings, from the round sections; None when loaded with with_rounds=False
     storage: StorageSettings
     enrollment: EnrollmentSettings
     metrics: MetricsSettings
@@ -209,12 +227,16 @@ class CoordinatorConfig:
         return Path(self.storage.state_dir) / REGISTRY_FILE
 
 
-SECTIONS = ("federation", "broker", "rounds", "privacy", "storage", "enrollment", "metrics", "sites", "tracking")
+# the round sections are round_sections.ROUND_SECTIONS and [privacy] (not imported here: they import torch);
+# [rounds] is the round keys' old place (round_config.py)
+SECTIONS = ("federation", "broker", "schedule", "algorithm", "fold", "server_optimizer", "transfer", "evaluation",
+            "privacy", "storage", "enrollment", "metrics", "sites", "tracking", "rounds")
 
 
 def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
-    """Read and validate the config. `with_rounds=False` skips [rounds] and the model check, which
-    import torch; the device-management commands use it to stay quick."""
+    """Read and validate the config. `with_rounds=False` skips the round sections ([schedule] ...
+    [privacy], and the old [rounds]) and the model check, which import torch; the device-management
+    commands use it to stay quick."""
     path = Path(path)
     raw = read_toml(path)
     unknown = set(raw) - set(SECTIONS)
@@ -231,21 +253,17 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
     rounds = None
     federation = section(FederationSettings, "federation")
     if with_rounds:
-        from broker_coordinator.settings.round_settings import RoundSettings
+        from broker_coordinator.settings.round_config import read_rounds
         from models.architectures import ModelError, resolve
         try:
             resolve(federation.model)
         except ModelError as exc:
             raise ConfigError(f"{path} [federation] model: {exc}") from None
-        # [privacy] (user-level DP, settings/privacy_settings.py) goes in with [rounds], so that the
-        # refusals of what it rules out come with the [rounds] keys they name
-        privacy = section(PrivacySettings, "privacy")
-        rounds = build_section(RoundSettings, {**raw.get("rounds", {}), "privacy": privacy}, f"{path} [rounds]",
-                               f"{ENV_PREFIX}_rounds")
+        rounds = read_rounds(raw, str(path), ENV_PREFIX)
         try:
             rounds.evaluation(bool(federation.test_data))
         except ValueError as exc:
-            raise ConfigError(f"{path} [rounds]: {exc}") from None
+            raise ConfigError(f"{path} [evaluation]: {exc}") from None
     sites = {}
     for name, table in raw.get("sites", {}).items():
         if not isinstance(table, dict):
@@ -255,7 +273,7 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
         try:
             composition.check(rounds, "sites")
         except ValueError as exc:
-            raise ConfigError(f"{path} [rounds] with [sites.*]: {exc}") from None
+            raise ConfigError(f"{path} with [sites.*]: {exc}") from None
     return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
                              section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
                              section(MetricsSettings, "metrics"), path, sites,

@@ -25,7 +25,7 @@
     device_clip = 1.0         # dp-sgd: each example's gradient clipped to this L2 norm
     device_delta = 1e-5       # dp-sgd: the delta of the device's own epsilon (over its samples)
 
-m is [rounds] clients_per_round (0: every device, q = 1). Everything here is checked at load;
+m is [schedule] clients_per_round (0: every device, q = 1). Everything here is checked at load;
 what privacy rules out in the rest of the configuration is `composition`'s to refuse.
 """
 

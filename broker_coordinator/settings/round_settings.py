@@ -1,34 +1,34 @@
-"""What a round is run with (`RoundSettings`: the `[rounds]` section of the coordinator's config,
-validated at start-up) and what it leaves behind (`RoundRecord`, one per attempt)."""
+"""What a round is run with (`RoundSettings`, the engine's one view of the round sections of the
+coordinator's config) and what it leaves behind (`RoundRecord`, one per attempt).
+
+The config gives the round keys in sections (`round_sections`: [schedule], [algorithm], [fold],
+[server_optimizer], [transfer], [evaluation], and [privacy]); `RoundSettings.from_sections` puts
+them together under the field names the engine reads, and `sections()` takes them apart again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.choices import (
-    AGGREGATORS,
     DEFAULT_AGGREGATOR,
     DEFAULT_AGREEMENT_FLOOR,
     DEFAULT_KINSHIP,
-    EVALUATE_MODES,
-    MODES,
-    POLICIES,
     DEFAULT_SERVER_LR,
-    SERVER_OPTIMIZERS,
-    STALENESS_WEIGHTS,
-    WEIGHTINGS,
 )
 from broker_coordinator.settings.privacy_settings import PrivacySettings
+from broker_coordinator.settings.round_sections import ROUND_SECTIONS, RoundSections, training_hparams
 from edgefl_protocol import algorithms, codec, delta_downlink, downlink
-from edgefl_protocol.errors import Rejected
 from edgefl_protocol.settings import build_section
-from edgefl_protocol.task_limits import check_training
 
 
 @dataclass
 class RoundSettings:
+    """Every key of the round sections under its own name, and [privacy]: what the engine reads. Each
+    key's section, and what it does, is in `round_sections`; the defaults here are the same."""
+
     algorithm: str = algorithms.DEFAULT_ALGORITHM
     clients_per_round: int = 0  # 0: every eligible device
     selection: str = "random"
@@ -101,67 +101,32 @@ class RoundSettings:
     # the [privacy] section (its own, not a [rounds] key; settings/privacy_settings.py)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
 
+    @classmethod
+    def from_sections(cls, sections: RoundSections) -> RoundSettings:
+        """What the engine runs with, from the config's round sections (each validated on its own)."""
+        values = {f.name: getattr(getattr(sections, name), f.name)
+                  for name, section in ROUND_SECTIONS.items() for f in fields(section)}
+        return cls(**values, privacy=sections.privacy)
+
+    def sections(self) -> RoundSections:
+        """These settings as the config's sections ([schedule], [algorithm], [fold], ...)."""
+        built = {name: section(**{f.name: getattr(self, f.name) for f in fields(section)})
+                 for name, section in ROUND_SECTIONS.items()}
+        return RoundSections(**built, privacy=self.privacy)
+
     def validate(self) -> None:
+        """Each section's ranges (a ValueError starts with the key at fault), then what composes."""
         if isinstance(self.privacy, dict):
             self.privacy = build_section(PrivacySettings, self.privacy, "[privacy]")
         self.privacy.validate()
-        algorithm = algorithms.get(self.algorithm)
-        unknown = sorted(set(self.hparams) - set(algorithm.defaults))
-        if unknown:
-            raise ValueError(f"{self.algorithm} has no hyper-parameter {', '.join(unknown)}; "
-                             f"it takes {', '.join(sorted(algorithm.defaults)) or 'none'}")
-        checks = [
-            (self.clients_per_round >= 0, "clients_per_round must be >= 0 (0 = all eligible devices)"),
-            (self.selection in POLICIES, f"selection must be one of {', '.join(POLICIES)}"),
-            (self.local_epochs >= 0, "local_epochs must be >= 0 (0 = chosen by each device)"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.lr > 0, "lr must be > 0"),
-            (0 < self.lr_decay <= 1, "lr_decay must be in (0, 1]"),
-            (0 <= self.momentum < 1, "momentum must be in [0, 1)"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.round_timeout > 0, "round_timeout must be > 0"),
-            (self.min_updates >= 1, "min_updates must be >= 1"),
-            (self.max_attempts >= 0, "max_attempts must be >= 0 (0 = unlimited)"),
-            (self.model_chunk_bytes >= 1024, "model_chunk_bytes must be >= 1024"),
-            (self.max_update_norm >= 0, "max_update_norm must be >= 0 (0 = no bound)"),
-            (self.weighting in WEIGHTINGS, f"weighting must be one of {', '.join(WEIGHTINGS)}"),
-            (self.weight_cap >= 1, "weight_cap must be >= 1 (times the median trusted sample count)"),
-            (self.norm_bound == 0 or self.norm_bound >= 1, "norm_bound must be 0 (off) or >= 1 (times the median "
-                                                           "norm of recent updates)"),
-            (self.aggregator in AGGREGATORS, f"aggregator must be one of {', '.join(AGGREGATORS)}"),
-            (0 <= self.trim < 0.5, "trim must be in [0, 0.5)"),
-            (0 <= self.sign_quorum < 1, "sign_quorum must be in [0, 1) (0 = off)"),
-            (0 <= self.kinship < 1, "kinship must be in [0, 1) (the path cosine above which a device is flagged; "
-                                    "0 = off)"),
-            (0 <= self.agreement_floor < 1, "agreement_floor must be in [0, 1) (the median cosine below whose "
-                                            "negative an update counts as pointing away; 0 = below 0)"),
-            (type(self.verdict_banks) is int and 0 <= self.verdict_banks <= 64,
-             "verdict_banks must be an integer from 0 (off) to 64 (partial sums of the model a round keeps)"),
-            (self.reference in ("auto", "median", "root"), "reference must be auto, median or root"),
-            (0 <= self.serve_average < 1, "serve_average must be in [0, 1) (the decay of the served moving "
-                                          "average of global models; 0 = serve the last global model)"),
-            (self.evaluate in EVALUATE_MODES, f"evaluate must be one of {', '.join(EVALUATE_MODES)}"),
-            (self.eval_only_every >= 0, "eval_only_every must be >= 0 (0 = no evaluation-only rounds)"),
-            (self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        try:  # the algorithm's own ranges (e.g. dual_decay), at start-up rather than in the first round
-            algorithm.server(self.task_hparams(1))
-        except ValueError as exc:
-            raise ValueError(f"hparams: {exc}") from None
-        if self.mode == "buffered":
-            check_buffered(self)
-        check_server_optimizer(self)
-        composition.check(self, "flat")  # the schedule's compositions; config.load adds the topology's
-        try:  # the ranges every agent enforces: a task they would all refuse is a config error here
-            check_training(self.task_hparams(1))
-        except Rejected as exc:
-            raise ValueError(f"{exc.detail} (agents refuse tasks outside edgefl_protocol.task_limits)") from None
-        codec.check(self.codec)
-        downlink.check_model_codec(self.model_codec)
-        delta_downlink.check_settings(self.downlink, self.downlink_codec, self.downlink_chain, self.model_codec)
+        sections = self.sections()
+        for name in ROUND_SECTIONS:
+            getattr(sections, name).validate()
+        self.check_together()
+
+    def check_together(self) -> None:
+        """What spans sections: the schedule's compositions (config.load_config adds the topology's)."""
+        composition.check(self, "flat")
 
     def server_step_size(self) -> float:
         """The server optimizer's learning rate: server_lr, or the optimizer's default when unset."""
@@ -186,14 +151,7 @@ class RoundSettings:
         return self.eval_only_every > 0 and round_no % self.eval_only_every == 0
 
     def task_hparams(self, round_no: int) -> dict[str, float]:
-        algorithm = algorithms.get(self.algorithm)
-        return {
-            **algorithm.defaults, **self.hparams,
-            "local_epochs": self.local_epochs, "batch_size": self.batch_size,
-            "lr": self.lr * self.lr_decay ** (round_no - 1), "momentum": self.momentum,
-            "weight_decay": self.weight_decay, "grad_clip": self.grad_clip,
-            **self.privacy.device_hparams(),
-        }
+        return {**training_hparams(self, round_no), **self.privacy.device_hparams()}
 
 
 @dataclass
@@ -230,35 +188,11 @@ class RoundRecord:
 
 
 def check_buffered(settings: RoundSettings) -> None:
-    """The ranges of [rounds] keys of mode = "buffered"; a ValueError names the key at fault. What
-    buffered mode runs together with is `composition`'s to say."""
-    checks = [
-        (settings.buffer_size >= 1, "buffer_size must be >= 1 (accepted updates per applied version)"),
-        (settings.max_staleness >= 0, "max_staleness must be >= 0 (versions an update may lag behind; "
-                                      "0 accepts only updates trained on the current version)"),
-        (settings.staleness_weight in STALENESS_WEIGHTS,
-         f"staleness_weight must be one of {', '.join(STALENESS_WEIGHTS)}, got {settings.staleness_weight!r}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    """The ranges of the buffer's keys ([schedule] buffer_size, max_staleness, staleness_weight); a
+    ValueError names the key at fault. What buffered mode runs together with is `composition`'s to say."""
+    settings.sections().schedule.validate_buffer()
 
 
 def check_server_optimizer(settings: RoundSettings) -> None:
-    """The [rounds] keys of the server optimizer; a ValueError names the key at fault."""
-    s = settings
-    checks = [
-        (s.server_optimizer in SERVER_OPTIMIZERS,
-         f"server_optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, got {s.server_optimizer!r}"),
-        (s.server_lr is None or 0 < s.server_lr <= 10,
-         f"server_lr must be in (0, 10] (1 with sgd is the server rule's own step), got {s.server_lr}"),
-        (0 < s.server_lr_decay <= 1, f"server_lr_decay must be in (0, 1] (per applied step; 1 = a fixed "
-                                     f"step), got {s.server_lr_decay}"),
-        (0 <= s.server_momentum < 1, f"server_momentum must be in [0, 1), got {s.server_momentum}"),
-        (0 <= s.beta1 < 1, f"beta1 must be in [0, 1), got {s.beta1}"),
-        (0 <= s.beta2 < 1, f"beta2 must be in [0, 1), got {s.beta2}"),
-        (s.tau > 0, f"tau must be > 0 (the adaptivity added to sqrt(v); Reddi et al. use 1e-3), got {s.tau}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    """The [server_optimizer] keys' ranges; a ValueError names the key at fault."""
+    settings.sections().server_optimizer.validate()
