@@ -1,29 +1,26 @@
 """The shipped engine with an in-memory transport: benchmarks that need many runs without a broker.
 
-Each round, the driver selects the cohort as the coordinator does, and every selected device does
-what `edge_agent.agent.Agent._train_and_send` does: chooses its local epochs from its speed and the
-deadline when the task says `local_epochs = 0` (`hardware.plan_epochs`), trains with the
-algorithm's client rule (`training.train_locally`), encodes the delta with the task's codec and its
-own error feedback, and signs the update with its key. The signed payloads go through the real
-`Coordinator.fold_round`: signature, validation, trust bounds, the default fold, the server rule,
-evaluation. A device commits its algorithm state and its codec residual only for what the fold
-folded, as it folded it (the verdict its receipt would carry), as the agent does
-(`edge_agent.settlement`).
+Each round, the driver selects the cohort as the coordinator does, and every selected device runs the
+agent's own step, `edge_agent.device_step.device_step`: it chooses its local epochs from its speed and
+the deadline when the task says `local_epochs = 0`, trains with the algorithm's client rule, encodes
+the delta with the task's codec and its own error feedback, and signs the update with its key. The
+signed payloads go through the real `Coordinator.fold_round`: signature, validation, trust bounds, the
+default fold, the server rule, evaluation. A device commits its algorithm state and its codec residual
+only for what the fold folded, as it folded it (the verdict its receipt would carry), as the agent
+does (`edge_agent.settlement`).
 
-What differs from a run over MQTT: no broker, no deadline clock (a device's epochs are planned
-against `round_timeout` at its emulated speed), a device's speed is the host's throughput per
-CPU-second (pinned in bench/host_speed.json: bench/host_speed.py) times its class's speed
-(`broker_coordinator.simulation.fleet.PROFILES`), and the codec's stochastic rounding is seeded by
-(device, round, run) instead of drawn from the OS. So two runs of the same federation give the
-same model.
+What differs from a run over MQTT, each a parameter of the step: no broker, no deadline clock (a
+device's epochs are planned against `round_timeout` at its emulated speed), a device's speed is the
+host's throughput per CPU-second (pinned in bench/host_speed.json: bench/host_speed.py) times its
+class's speed (`broker_coordinator.simulation.fleet.PROFILES`), the local shuffling is seeded by
+(device, round, run) unless `mirror_agent_seed`, and the codec's stochastic rounding is seeded by the
+same instead of drawn from the OS. So two runs of the same federation give the same model.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,11 +35,9 @@ from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.fleet import PROFILES
 from broker_coordinator.simulation.in_memory import fold_round
-from edge_agent.agent import local_settings
-from edge_agent.settlement import Sent, apply_verdict
-from edge_agent.hardware import plan_epochs
-from edge_agent.training import train_locally
-from edgefl_protocol import algorithms, codec, messages, signing
+from edge_agent.device_step import Budget, Step, device_step
+from edge_agent.settlement import apply_verdict
+from edgefl_protocol import messages, signing
 from models.architectures import build_model, set_weights
 from models.datasets import Dataset
 
@@ -72,18 +67,6 @@ def pin_host_speed(arch: str, samples_per_cpu_s: float) -> None:
     _host_speed[arch] = samples_per_cpu_s
 
 
-@dataclass
-class Trained:
-    """One device's work of a round, before the coordinator's verdict."""
-    payload: bytes
-    rule: Any
-    before: dict
-    encoded: codec.Encoded
-    delta: dict[str, np.ndarray]
-    old_residual: dict | None
-    metrics: dict
-
-
 # (device, delta, num_samples, round) -> (delta, num_samples): what a malicious device sends instead
 Tamper = Callable[[str, dict[str, np.ndarray], int, int], tuple[dict[str, np.ndarray], int]]
 
@@ -111,7 +94,6 @@ class InMemoryFederation:
                                        device_keys=self.keys)
         self.rng = random.Random(self.seed)
         self.last_metrics: dict[str, dict] = {}
-        self.algorithm = algorithms.get(self.settings.algorithm)
 
     def round(self, round_no: int) -> RoundRecord | None:
         """One round through the coordinator's own intake and fold; None if nothing was accepted."""
@@ -122,48 +104,42 @@ class InMemoryFederation:
         cohort = sorted(private.cohort(self.devices) if private else
                         select(self.settings.selection, self.devices, k, self.rng, self.last_metrics))
         hp = self.settings.task_hparams(round_no)
-        trained = {device: self._train(device, round_no, hp) for device in cohort}
+        trained = {device: self.train(device, round_no, hp) for device in cohort}
         try:
             record = fold_round(self.coordinator, {d: t.payload for d, t in trained.items()}, round_no)
         except RoundFailed:
             record = None
-        for device, work in trained.items():
-            self._settle(device, round_no, work)
-            self.last_metrics[device] = work.metrics
+        for device, step in trained.items():
+            self.settle(device, round_no, step)
+            self.last_metrics[device] = step.result.metrics
         return record
 
-    def _train(self, device: str, round_no: int, hp: dict) -> Trained:
-        server = self.coordinator.server_rule
+    def task(self, round_no: int, hp: dict) -> messages.Task:
+        """The round's task as the coordinator words it (no deadline: epochs are planned against
+        `round_timeout`, see `train`)."""
+        c = self.coordinator
+        return messages.Task(round_no, c.version, 0.0, self.settings.algorithm, hp, c.server_rule.broadcast(),
+                             c.settings.codec, 1, c.objective.task, c.objective.loss)
+
+    def train(self, device: str, round_no: int, hp: dict) -> Step:
+        """`device`'s step for the round: the agent's own, on the model the coordinator holds."""
         model = build_model(self.arch)
         set_weights(model, self.coordinator.weights)
-        settings = local_settings(hp)
-        state = self.states[device]
-        before = copy.deepcopy(state.get(self.algorithm.name, {}))
-        rule_state = state.setdefault(self.algorithm.name, {})
         data = self.data_of(device, self.data[device]) if self.data_of else self.data[device]
-        if settings.epochs == 0:
-            speed = host_speed(self.arch) * PROFILES[self.classes[device]].speed
-            settings.epochs = plan_epochs(speed, len(data), self.settings.round_timeout,
-                                          tau=float(rule_state.get("tau", 0.0)),
-                                          passes_per_step=float(hp.get("passes_per_step", 1.0))).epochs
-        rule = self.algorithm.client(hp, server.broadcast(), rule_state, server.broadcast_tensors())
         local_seed = f"{device}/{round_no}" if self.mirror_agent_seed else f"{device}/{round_no}/{self.seed}"
-        out = train_locally(model, data, rule, settings, zlib.crc32(local_seed.encode()))
-        delta, num_samples = out.delta, out.num_samples
-        if self.tamper is not None:
-            delta, num_samples = self.tamper(device, delta, num_samples, round_no)
-        ef = state.setdefault("codec", {})
-        old_residual = ef.get("residual")
         # the quantizer's stochastic rounding from a seed of (device, round, run), where the agent draws it
         # from the OS: the same distribution, and a rerun of a run gives the same model
         rounding = np.random.default_rng(zlib.crc32(f"codec/{local_seed}".encode()))
-        encoded = codec.encode(delta, self.coordinator.settings.codec, old_residual, rounding)
-        update = messages.Update(device, round_no, self.coordinator.version, num_samples, out.metrics,
-                                 encoded.body, encoded.codec, encoded.specs, FED, 1)
-        return Trained(messages.encode_update(update, self.keys[device]), rule, before, encoded, delta,
-                       old_residual, dict(out.metrics))
+        tamper = self.tamper
+        return device_step(
+            self.task(round_no, hp), model, data, self.states[device], device=device, federation=FED,
+            key=self.keys[device], seed=zlib.crc32(local_seed.encode()),
+            budget=Budget(lambda: host_speed(self.arch) * PROFILES[self.classes[device]].speed,
+                          self.settings.round_timeout),
+            released=self.coordinator.server_rule.broadcast_tensors(), rounding=rounding,
+            tamper=None if tamper is None else lambda delta, n: tamper(device, delta, n, round_no))
 
-    def _settle(self, device: str, round_no: int, work: Trained, judge: Any = None) -> None:
+    def settle(self, device: str, round_no: int, step: Step, judge: Any = None) -> None:
         """The agent's answer to its receipt: commit what the fold folded, at its scale; owe all of it
         when the coordinator rejected it (`edge_agent.settlement`). `judge`: whoever received the
         update (its `verdicts` and `accepted`): the coordinator, or in sites the device's site worker."""
@@ -175,10 +151,7 @@ class InMemoryFederation:
             kind, scale = "unknown", 0.0  # never: fold_round closes the round, so every verdict is final
         else:
             kind, scale = verdict.kind, verdict.scale
-        task = messages.Task(round_no, self.coordinator.version, 0.0, self.algorithm.name)
-        sent = Sent(task, work.payload, self.algorithm.name, work.rule, work.before, work.delta, work.encoded,
-                    work.old_residual, {}, list(self.states[device].get("codec", {}).get("owed", [])))
-        apply_verdict(self.states[device], sent, kind, scale)
+        apply_verdict(self.states[device], step.sent, kind, scale)
 
 
 def set_threads(n: int = 1) -> None:

@@ -12,7 +12,7 @@ import json
 import statistics
 
 from broker_coordinator.engine.coordinator import RoundSettings
-from edge_agent.agent import local_settings
+from edge_agent.device_step import local_settings
 from edge_agent.training import train_locally
 from edgefl_protocol import algorithms
 from models.architectures import build_model

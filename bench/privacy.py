@@ -160,7 +160,7 @@ def round_time(clients: list, test, repeats: int, clip_initial: float, cohort: i
     hp = off_settings.task_hparams(1)
     updates = {}
     for device in devices:  # real local training from the initial model, encoded with the shipped codec
-        payload = fed._train(device, 1, hp).payload
+        payload = fed.train(device, 1, hp).payload
         updates[device] = messages.decode_answer(payload, 1 << 30, fed.keys[device], device)
     coordinators = {"off": fed.coordinator, "central": Coordinator(inmemory.FED, "synthetic_mlp", test,
                                                                    central_settings, seed=0, device_keys=fed.keys)}

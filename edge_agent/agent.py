@@ -5,75 +5,64 @@ thread so the session keeps answering keepalives while the CPU is busy. The
 device's status (retained, with a will for "offline") carries its hardware
 profile and whether it is busy training.
 
-The model arrives as described in `model_fetch` (full, cached, or as
-sha256-checked deltas); the device's data comes from its source
-(`data_sources`) and is checked against the model before training; a task
-may also ask it to evaluate the received model on its held-out slice.
-The update (the model delta) goes out signed with the device's key, in the
-codec the task names; for top-k codecs the error-feedback residual is kept in
-the device state (saved once per round with the rest).
+The agent holds its parts: the model arrives as described in `model_fetch`
+(full, cached, or as sha256-checked deltas); the device's data comes from its
+source (`data_sources`) and is checked against the model before training; a
+task may also ask it to evaluate the received model on its held-out slice.
+The round itself is `device_step` (the same function the in-memory benchmarks
+run): the update (the model delta) goes out signed with the device's key, in
+the codec the task names; for top-k codecs the error-feedback residual is kept
+in the device state (saved once per round with the rest).
 
 A broker's acknowledgement is not delivery: the agent resends its update
 until the coordinator's receipt for that round and attempt arrives, or the
-deadline passes, and logs the verdict either way. The receipt says what the
-fold made of the update (folded, clipped, left out, or pending with a second
-receipt to come), and the device commits its algorithm state and residual only
-for what was folded, as it was folded (`settlement`); an update still without
-a verdict is resent before the next training task. A task it will not run
+deadline passes, and logs the verdict either way (`delivery`). The receipt
+says what the fold made of the update (folded, clipped, left out, or pending
+with a second receipt to come), and the device commits its algorithm state and
+residual only for what was folded, as it was folded (`settlement`); an update
+still without a verdict is resent before the next training task. A task it will not run
 (settings out of range, a model that does not fit) gets a signed refusal
 with the reason, so the coordinator can say why a round found no quorum.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import signal
 import threading
 import time
-import zlib
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from edgefl_protocol import algorithms, codec, delta_downlink, downlink, messages, signing, topics
+from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
-from edgefl_protocol.task_limits import check_training
 from edgefl_protocol.transport import Session
 from models.architectures import ModelError, build_model, fingerprint, get_weights, resolve, set_weights
 from models.datasets import DatasetError
 from models.objectives import Objective, format_score
 
-from . import dp_sgd
 from .config import AgentConfig
 from .data_sources import DataSource, LocalData, check_fits, open_source
-from .hardware import calibrate, default_threads, plan_epochs, probe
-from .model_fetch import DOWN_COUNTERS, MAX_MODEL_BYTES, MAX_MODEL_VALUES, ModelFetch
+from .delivery import Delivery
+from .device_step import Budget, agent_seed, device_step, local_settings
+from .hardware import calibrate, default_threads, probe
+from .model_fetch import MAX_MODEL_VALUES, ModelFetch
 from .runtime import record_session
-from .settlement import SETTLE_WAIT, Settlement, describe, owed  # noqa: F401 (owed is imported from here)
+from .settlement import Settlement
 from .state import DeviceState
-from .training import LocalSettings, Stopped, train_locally
+from .training import Stopped
 
 log = logging.getLogger("edge_agent")
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
-RESEND_AFTER = 10.0  # seconds without a receipt before the update goes out again
 
 
-def local_settings(hp: dict) -> LocalSettings:
-    """The task's training settings, range-checked (edgefl_protocol.task_limits): a hostile task is
-    refused, not obeyed."""
-    v = check_training(hp)
-    dp = dp_sgd.from_task(hp)
-    if dp is not None and (why := dp_sgd.unavailable()):
-        raise Rejected(dp_sgd.UNAVAILABLE, why)
-    return LocalSettings(epochs=int(v["local_epochs"]), batch_size=int(v["batch_size"]), lr=v["lr"],
-                         momentum=v["momentum"], weight_decay=v["weight_decay"], grad_clip=v["grad_clip"], dp=dp)
+class Agent:
+    """One device's service. Its parts: `fetch` (the model versions), `delivery` (answers and their
+    receipts), `settlement` (what the device commits of what it sent)."""
 
-
-class Agent(ModelFetch, Settlement):
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.fed, self.device = config.device.federation, config.device.id
@@ -81,28 +70,16 @@ class Agent(ModelFetch, Settlement):
         if config.data.source != "spool" and not Path(config.data.path).exists():  # a spool may come later
             raise DatasetError(f"local data file {config.data.path} does not exist (set [data] path)")
         self.tasks: queue.Queue[messages.Task] = queue.Queue(maxsize=16)
-        self.models: dict[int, tuple[messages.ModelRelease, bytes]] = {}  # version -> manifest, verified body
-        self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
-        self.chains: dict[int, delta_downlink.Chain] = {}  # versions being reconstructed from deltas
-        self.downlink_rejected: Counter[str] = Counter()  # model messages ignored, by reason
-        self.arrived_via: dict[int, str] = {}  # version -> how the model got here: cache, full or delta
-        self.cached: tuple[str, bytes] | None = self._load_cached_model()  # (sha256, body)
-        self.models_changed = threading.Condition()
         self.key = signing.key_from_hex(config.device.signing_key) if config.device.signing_key else None
         if self.key is None:
             log.error("no signing_key in [device]: the coordinator will reject every update from %s", self.device)
         self.stopping = threading.Event()
-        self.receipts: dict[tuple[int, int], messages.Receipt] = {}  # (round, attempt) -> the coordinator's verdict
-        self.receipt_arrived = threading.Condition()
         self.handled: list[tuple[int, int]] = []  # recent (round, attempt) tasks: a task delivered twice runs once
         self.busy = False
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
-        # model bytes received (manifests, chunks, deltas) not yet reported with an accepted update;
-        # "_join": received while the device held no model at all (its first download)
-        for key in DOWN_COUNTERS:
-            self.state.data.setdefault(key, 0)
+        self.fetch = ModelFetch(self.fed, self.state, Path(config.device.state_dir), self.stopping)
         threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
         self.profile = {**probe(), "threads": threads, "samples": 0}  # samples: as of the last round
@@ -111,6 +88,9 @@ class Agent(ModelFetch, Settlement):
                                self._on_message, keepalive=b.keepalive,
                                will=(topics.status(self.fed, self.device), self._status("offline")),
                                tls_ca=b.tls_ca or None)
+        self.delivery = Delivery(self.session.publish_until, topics.update(self.fed, self.device), self.stopping,
+                                 superseded=lambda: not self.tasks.empty())
+        self.settlement = Settlement(self.state, self.delivery, self.fetch.give_back_down_counts)
 
     def _status(self, state: str) -> bytes:
         profile = {**self.profile, "busy": self.busy, "last_round": int(self.state.data.get("last_round", 0))}
@@ -122,9 +102,7 @@ class Agent(ModelFetch, Settlement):
     # paho callbacks (network thread) -------------------------------------------------
     def _on_connect(self, client) -> None:  # noqa: ANN001
         client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1),
-                          (topics.receipt(self.fed, self.device), 1)]
-                         + [(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)]
-                         + [(topics.model_delta(self.fed, v), 1) for c in list(self.chains.values()) for v in c.versions])
+                          (topics.receipt(self.fed, self.device), 1)] + self.fetch.subscriptions())
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
         record_session(client, self.config.device.state_dir)  # for `edge-agent status` (edge_agent/runtime.py)
         log.info("connected as %s", self.device)
@@ -133,28 +111,12 @@ class Agent(ModelFetch, Settlement):
         try:
             if msg.topic == topics.task(self.fed, self.device):
                 self.tasks.put_nowait(messages.decode_task(msg.payload))
-                with self.receipt_arrived:  # a delivery still waiting for its receipt is superseded
-                    self.receipt_arrived.notify_all()
+                self.delivery.wake()  # a delivery still waiting for its receipt is superseded
             elif msg.topic == topics.receipt(self.fed, self.device):
-                receipt = messages.decode_receipt(msg.payload)
-                with self.receipt_arrived:
-                    self.receipts[(receipt.round, receipt.attempt)] = receipt
-                    self.receipt_arrived.notify_all()
-            elif (version := topics.parse_model_topic(msg.topic)) is not None and msg.payload:
-                self._count_down(msg.payload)
-                release = messages.decode_model(msg.payload, MAX_MODEL_BYTES)
-                if release.version != version:
-                    raise Rejected("schema", f"model topic says version {version}, message says {release.version}")
-                self._on_manifest(client, release)
-            elif (where := topics.parse_model_chunk_topic(msg.topic)) is not None and msg.payload:
-                self._count_down(msg.payload)
-                self._on_chunk(client, *where, msg.payload)
-            elif (version := topics.parse_model_delta_topic(msg.topic)) is not None and msg.payload:
-                self._count_down(msg.payload)
-                self._on_delta(client, version, msg.payload)
+                self.delivery.receive(messages.decode_receipt(msg.payload))
+            else:  # model manifests, chunks and deltas
+                self.fetch.on_message(client, msg.topic, msg.payload)
         except Rejected as exc:
-            if msg.topic.split("/")[2:3] == ["model"]:
-                self.downlink_rejected[exc.reason] += 1
             log.warning("ignored message on %s: %s", msg.topic, exc)
         except queue.Full:
             log.warning("task queue full; dropped a task on %s", msg.topic)
@@ -203,13 +165,13 @@ class Agent(ModelFetch, Settlement):
         if time.time() > task.deadline:
             log.warning("round %d: task arrived after its deadline; skipped", task.round)
             return
-        got = self._wait_for_model(task.model_version, task.deadline)
+        got = self.fetch.wait_for_model(task.model_version, task.deadline)
         if got is None:
             log.warning("round %d: model version %d never arrived; skipped", task.round, task.model_version)
             return
         release, body = got
-        try:
-            algorithm = algorithms.get(task.algorithm)
+        try:  # what the step will need, checked before anything is spent: a task it cannot run is refused
+            algorithms.get(task.algorithm)
             objective = Objective.of(task.task, task.loss)
             model = self._installed_model(release)
             data = self._local_data(task, release.arch, objective)
@@ -227,13 +189,13 @@ class Agent(ModelFetch, Settlement):
             log.error("round %d: refusing the task: %s", task.round, refusal)
             self._refuse(task, refusal)
             return
-        self._remember_model(release, body)
+        self.fetch.remember_model(release, body)
         try:
             evaluation = self._evaluate(task, model, data, objective)
             if not task.train:
                 self._report(task, evaluation)
                 return
-            self._train_and_send(task, release, algorithm, model, data, objective, evaluation)
+            self._train_and_send(task, release, model, data, evaluation)
         except Rejected as exc:
             log.error("round %d: task rejected: %s", task.round, exc)
             self._refuse(task, exc)
@@ -294,119 +256,47 @@ class Agent(ModelFetch, Settlement):
         report = messages.EvalReport(self.device, task.round, task.attempt, task.model_version,
                                      str(evaluation["eval_metric"]), float(evaluation["eval_score"]),
                                      float(evaluation["eval_loss"]), int(evaluation["eval_count"]), self.fed)
-        self._deliver(task, messages.encode_report(report, self.key or b""), "evaluation report")
+        self.delivery.deliver(task, messages.encode_report(report, self.key or b""), "evaluation report")
 
-    def _train_and_send(self, task: messages.Task, release: messages.ModelRelease,
-                        algorithm: algorithms.Algorithm, model: torch.nn.Module, data: LocalData,
-                        objective: Objective, evaluation: dict) -> None:
-        hp = task.hparams
-        settings = local_settings(hp)
-        epochs, epochs_reason = settings.epochs, "fixed by the coordinator"
-        if epochs == 0:
-            rule_state = self.state.section(algorithm.name)
-            plan = plan_epochs(self._speed(release.arch, model), len(data.train), task.deadline - time.time(),
-                               tau=float(rule_state.get("tau", 0.0)),
-                               passes_per_step=float(hp.get("passes_per_step", 1.0)))
-            epochs, epochs_reason = plan.epochs, plan.reason
-        settings.epochs = epochs
-        self._settle_unsettled(task)  # an earlier update without a verdict: asked for before training
-        before = copy.deepcopy(self.state.section(algorithm.name))  # restored unless the update is folded
-        rule = algorithm.client(hp, task.broadcast, self.state.section(algorithm.name), self.released)
-        seed = zlib.crc32(f"{self.device}/{task.round}".encode())
+    def _train_and_send(self, task: messages.Task, release: messages.ModelRelease, model: torch.nn.Module,
+                        data: LocalData, evaluation: dict) -> None:
+        self.settlement.settle_unsettled(task)  # an earlier update without a verdict: asked for before training
+        down = self.fetch.take_down_counts()  # reported once: given back if the update is not accepted
+        # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
+        report = {**evaluation, "model_sha": release.sha256[:16],
+                  "model_via": self.fetch.arrived_via.get(release.version, "cache")}
         self.busy = True
         self._announce()
         try:
-            result = train_locally(model, data.train, rule, settings, seed, should_stop=self.stopping.is_set,
-                                   objective=objective)
+            step = device_step(task, model, data.train, self.state.data, device=self.device, federation=self.fed,
+                               key=self.key or b"", seed=agent_seed(self.device, task.round),
+                               budget=Budget(lambda: self._speed(release.arch, model), task.deadline - time.time()),
+                               released=self.released, report=report, down=down, should_stop=self.stopping.is_set)
         except Stopped:
+            self.fetch.give_back_down_counts(down)
             log.warning("round %d: stopped mid-training by shutdown; no update sent", task.round)
             return
         finally:
             self.busy = False
-        result.metrics["epochs_reason"] = epochs_reason
-        if settings.dp:  # the device's own epsilon, in its update and its status
-            ledger = self.state.data.setdefault("dp_sgd", [])
-            self.profile["dp_epsilon"] = result.metrics["dp_epsilon"] = dp_sgd.spend(
-                ledger, settings.dp, float(result.metrics["dp_sample_rate"]), int(result.metrics["steps"]))
-        result.metrics.update(evaluation)
+        result = step.result
+        if "dp_epsilon" in result.metrics:  # the device's own epsilon, in its status too
+            self.profile["dp_epsilon"] = result.metrics["dp_epsilon"]
         speeds = self.state.data.setdefault("samples_per_s", {})
-        measured = result.num_samples * epochs / max(float(result.metrics["train_seconds"]), 1e-6)
+        measured = result.num_samples * step.epochs / max(float(result.metrics["train_seconds"]), 1e-6)
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
-        ef = self.state.section("codec")  # error feedback: what top-k has not sent yet
-        down = self._take_down_counts()  # reported once: given back below if the update is not accepted
-        result.metrics.update(down)
-        # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
-        result.metrics["model_sha"] = release.sha256[:16]
-        result.metrics["model_via"] = self.arrived_via.get(release.version, "cache")
-        result.metrics.update(self._claims())  # earlier updates its residual still owes (never folded)
-        old_residual = ef.get("residual")
-        encoded = codec.encode(result.delta, task.codec, old_residual)
-        update = messages.Update(self.device, task.round, task.model_version, result.num_samples, result.metrics,
-                                 encoded.body, encoded.codec, encoded.specs, self.fed, task.attempt)
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
         self._announce()  # idle before the update goes out, so the next round can select us at once
         log.info("round %d: trained (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
-                 result.num_samples, epochs, epochs_reason, result.metrics["train_loss"],
+                 result.num_samples, step.epochs, step.epochs_reason, result.metrics["train_loss"],
                  result.metrics["train_seconds"])
-        payload = messages.encode_update(update, self.key or b"")
-        sent = self._sent(task, payload, algorithm.name, rule, before, result.delta, encoded, old_residual, down)
-        outcome = self._deliver(task, payload, "update")
+        outcome = self.delivery.deliver(task, step.sent.payload, "update")
         # state the server mirrors follows what it folded: the decoded delta, at the fold's scale
-        self._settle(sent, self.last_receipt if outcome != "unsent" else  # never reached the broker
-                     messages.Receipt(task.round, task.attempt, False, "unsent", "not delivered"))
+        receipt = (self.delivery.last_receipt if outcome != "unsent" else  # never reached the broker
+                   messages.Receipt(task.round, task.attempt, False, "unsent", "not delivered"))
+        self.settlement.settle(step.sent, receipt)
         self.state.save()  # once per round: algorithm state, residuals, progress
 
     def _refuse(self, task: messages.Task, why: Rejected) -> None:
         refusal = messages.Refusal(self.device, task.round, task.attempt, why.reason, why.detail[:200], self.fed)
-        self._deliver(task, messages.encode_refusal(refusal, self.key or b""), "refusal")
-
-    def _deliver(self, task: messages.Task, payload: bytes, what: str) -> str:
-        """Publish, then wait for the coordinator's receipt; resend while none comes, until the deadline.
-        The log says what became of it, either way; so does the result: accepted, rejected, pending
-        (accepted, the fold's final verdict not yet known), superseded (a newer task came first),
-        no_receipt, or unsent; `last_receipt` is the receipt it settled on, if any."""
-        key = (task.round, task.attempt)
-        topic = topics.update(self.fed, self.device)
-        sends, self.last_receipt = 0, None
-        while time.time() < task.deadline and not self.stopping.is_set():
-            if not self.session.publish_until(topic, payload, task.deadline):
-                break
-            sends += 1
-            resend_at = min(time.time() + RESEND_AFTER, task.deadline)
-            with self.receipt_arrived:
-                # short waits: a SIGTERM sets `stopping` without notifying anyone
-                while not (key in self.receipts or self.stopping.is_set() or not self.tasks.empty()
-                           or time.time() >= resend_at):
-                    self.receipt_arrived.wait(min(0.5, max(0.0, resend_at - time.time())))
-                receipt = self.receipts.pop(key, None)
-                self.receipts = {k: r for k, r in self.receipts.items() if k[0] >= task.round - 2}
-            if receipt is None and not self.tasks.empty():
-                log.warning("round %d: a new task arrived before the receipt for the %s (sent %d times); "
-                            "the coordinator moved on without it", task.round, what, sends)
-                return "superseded"
-            if receipt is None:
-                log.info("round %d: no receipt for the %s yet; sending it again", task.round, what)
-                continue
-            if receipt.accepted and receipt.verdict == "pending":
-                log.info("round %d: %s accepted by the coordinator%s", task.round, what, describe(receipt))
-                receipt = self._await_final(key, task.deadline + SETTLE_WAIT) or receipt
-            self.last_receipt = receipt
-            if receipt.accepted:
-                log.log(logging.INFO if receipt.verdict != "left_out" else logging.WARNING,
-                        "round %d: %s accepted by the coordinator%s%s", task.round, what, describe(receipt),
-                        f" (sent {sends} times)" if sends > 1 else "")
-                return "pending" if receipt.verdict == "pending" else "accepted"
-            log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
-                        receipt.reason, receipt.detail)
-            return "rejected"
-        if self.stopping.is_set():
-            log.warning("round %d: shutting down before the coordinator's receipt for the %s (sent %d times)",
-                        task.round, what, sends)
-            return "no_receipt"
-        if sends == 0:
-            log.warning("round %d: %s not delivered to the broker before the deadline; dropped", task.round, what)
-            return "unsent"
-        log.warning("round %d: no receipt for the %s before the deadline (sent %d times); the coordinator may "
-                    "not have it", task.round, what, sends)
-        return "no_receipt"
+        self.delivery.deliver(task, messages.encode_refusal(refusal, self.key or b""), "refusal")

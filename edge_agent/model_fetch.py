@@ -1,4 +1,4 @@
-"""How the global model reaches the device: a mixin of `Agent` (paho's thread calls the handlers).
+"""How the global model reaches the device: a part of `Agent` (paho's thread calls `on_message`).
 
 A version arrives as a retained manifest. The agent already holding those
 bytes (sha256, in memory or `model.bin` in the state dir) fetches nothing; one
@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from edgefl_protocol import delta_downlink, downlink, messages, topics
 from edgefl_protocol.errors import Rejected
 
-from .state import atomic_write
+from .state import DeviceState, atomic_write
 
 log = logging.getLogger("edge_agent")
 MAX_MODEL_BYTES = 64 * 1024 * 1024
@@ -30,9 +32,50 @@ DOWN_COUNTERS = ("bytes_down", "bytes_down_join")
 
 
 class ModelFetch:
-    """Uses the agent's models, assemblies, chains, cached, models_changed, state, fed and stopping."""
+    """The model versions this device holds or is fetching, for federation `fed`. `state` keeps the
+    downlink byte counts, `cache_dir` the newest model's bytes; `stopping` ends a wait for a model."""
 
-    def _on_manifest(self, client, release: messages.ModelRelease) -> None:  # noqa: ANN001
+    def __init__(self, fed: str, state: DeviceState, cache_dir: Path, stopping: threading.Event) -> None:
+        self.fed, self.state, self.cache_dir, self.stopping = fed, state, Path(cache_dir), stopping
+        self.models: dict[int, tuple[messages.ModelRelease, bytes]] = {}  # version -> manifest, verified body
+        self.assemblies: dict[int, downlink.Assembly] = {}  # versions being fetched
+        self.chains: dict[int, delta_downlink.Chain] = {}  # versions being reconstructed from deltas
+        self.downlink_rejected: Counter[str] = Counter()  # model messages ignored, by reason
+        self.arrived_via: dict[int, str] = {}  # version -> how the model got here: cache, full or delta
+        self.cached: tuple[str, bytes] | None = self._load_cached_model()  # (sha256, body)
+        self.models_changed = threading.Condition()
+        # model bytes received (manifests, chunks, deltas) not yet reported with an accepted update;
+        # "_join": received while the device held no model at all (its first download)
+        for key in DOWN_COUNTERS:
+            state.data.setdefault(key, 0)
+
+    def subscriptions(self) -> list[tuple[str, int]]:
+        """The chunk and delta topics of the fetches under way (subscribed again on reconnect)."""
+        return ([(topics.model_chunks(self.fed, v), 1) for v in list(self.assemblies)]
+                + [(topics.model_delta(self.fed, v), 1) for c in list(self.chains.values()) for v in c.versions])
+
+    def on_message(self, client, topic: str, payload: bytes) -> None:  # noqa: ANN001
+        """A manifest, chunk or delta (other topics are not ours); a message it ignores is counted by
+        reason in `downlink_rejected` and raised (Rejected) for the caller's log."""
+        try:
+            if (version := topics.parse_model_topic(topic)) is not None and payload:
+                self.count_down(payload)
+                release = messages.decode_model(payload, MAX_MODEL_BYTES)
+                if release.version != version:
+                    raise Rejected("schema", f"model topic says version {version}, message says {release.version}")
+                self.on_manifest(client, release)
+            elif (where := topics.parse_model_chunk_topic(topic)) is not None and payload:
+                self.count_down(payload)
+                self.on_chunk(client, *where, payload)
+            elif (version := topics.parse_model_delta_topic(topic)) is not None and payload:
+                self.count_down(payload)
+                self.on_delta(client, version, payload)
+        except Rejected as exc:
+            if topic.split("/")[2:3] == ["model"]:
+                self.downlink_rejected[exc.reason] += 1
+            raise
+
+    def on_manifest(self, client, release: messages.ModelRelease) -> None:  # noqa: ANN001
         with self.models_changed:
             if release.version in self.models or release.version in self.assemblies or release.version in self.chains:
                 return
@@ -52,24 +95,24 @@ class ModelFetch:
         else:
             client.subscribe([(topics.model_delta(self.fed, v), 1) for v in range(plan[0], release.version + 1)])
 
-    def _count_down(self, payload: bytes) -> None:
+    def count_down(self, payload: bytes) -> None:
         with self.models_changed:
             key = DOWN_COUNTERS[0] if self.models or self.cached else DOWN_COUNTERS[1]
             self.state.data[key] = int(self.state.data.get(key, 0)) + len(payload)
 
-    def _take_down_counts(self) -> dict[str, int]:
+    def take_down_counts(self) -> dict[str, int]:
         """The model bytes received since the last accepted update (reported with the next one)."""
         with self.models_changed:
             counts = {key: int(self.state.data.get(key, 0)) for key in DOWN_COUNTERS}
             self.state.data.update({key: 0 for key in DOWN_COUNTERS})
         return {key: n for key, n in counts.items() if n or key == DOWN_COUNTERS[0]}
 
-    def _give_back_down_counts(self, counts: dict[str, int]) -> None:
+    def give_back_down_counts(self, counts: dict[str, int]) -> None:
         with self.models_changed:
             for key, n in counts.items():
                 self.state.data[key] = int(self.state.data.get(key, 0)) + n
 
-    def _on_delta(self, client, version: int, payload: bytes) -> None:  # noqa: ANN001
+    def on_delta(self, client, version: int, payload: bytes) -> None:  # noqa: ANN001
         with self.models_changed:  # usually one chain; two when a manifest came before the last chain ended
             chains = [c for c in self.chains.values() if version in c.versions]
         if not chains:
@@ -114,7 +157,7 @@ class ModelFetch:
         self._unsubscribe_deltas(client, chain)
         client.subscribe(topics.model_chunks(self.fed, chain.manifest.version), qos=1)
 
-    def _on_chunk(self, client, version: int, index: int, data: bytes) -> None:  # noqa: ANN001
+    def on_chunk(self, client, version: int, index: int, data: bytes) -> None:  # noqa: ANN001
         with self.models_changed:
             assembly = self.assemblies.get(version)
             if assembly is None:
@@ -144,24 +187,23 @@ class ModelFetch:
 
     def _load_cached_model(self) -> tuple[str, bytes] | None:
         try:
-            body = (Path(self.config.device.state_dir) / MODEL_CACHE).read_bytes()
+            body = (self.cache_dir / MODEL_CACHE).read_bytes()
         except OSError:
             return None
         return hashlib.sha256(body).hexdigest(), body
 
-    def _remember_model(self, release: messages.ModelRelease, body: bytes) -> None:
+    def remember_model(self, release: messages.ModelRelease, body: bytes) -> None:
         """Keep the newest model's bytes (memory and disk) so a reconnect or restart does not fetch it again."""
         if self.cached and self.cached[0] == release.sha256:
             return
         self.cached = (release.sha256, body)
         try:
-            Path(self.config.device.state_dir).mkdir(parents=True, exist_ok=True)
-            atomic_write(Path(self.config.device.state_dir) / MODEL_CACHE, body)
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.cache_dir / MODEL_CACHE, body)
         except OSError as exc:
             log.warning("cannot cache the model on disk: %s", exc)
 
-
-    def _wait_for_model(self, version: int, deadline: float) -> tuple[messages.ModelRelease, bytes] | None:
+    def wait_for_model(self, version: int, deadline: float) -> tuple[messages.ModelRelease, bytes] | None:
         with self.models_changed:
             while version not in self.models:
                 remaining = deadline - time.time()

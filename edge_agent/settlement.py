@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,10 +49,11 @@ import numpy as np
 from edgefl_protocol import codec, messages
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 
+from .delivery import SETTLE_WAIT, Delivery
 from .model_fetch import MAX_MODEL_VALUES
+from .state import DeviceState
 
 log = logging.getLogger("edge_agent")
-SETTLE_WAIT = 30.0  # seconds the agent waits for a verdict on an unsettled update before its next task
 SETTLE_ROUNDS = 5  # an unsettled update older than this many rounds is given up (the coordinator's window is 10)
 MAX_CLAIMS = 8  # earlier updates the residual is said to carry (the `owed` metric)
 
@@ -104,15 +106,6 @@ def verdict_of(receipt: messages.Receipt | None, resend: bool = False) -> tuple[
     return "rejected", 0.0, f"{receipt.reason}: {receipt.detail}"
 
 
-def describe(receipt: messages.Receipt) -> str:
-    """The verdict, for the agent's log line: e.g. ": clipped (norm 2.1 -> 1.5; effective scale 0.71)";
-    "" for a receipt without one (an evaluation report, a coordinator from before verdicts)."""
-    if not receipt.verdict:
-        return ""
-    names = {"left_out": "left out", "pending": "verdict pending"}
-    return ": " + names.get(receipt.verdict, receipt.verdict) + (f" ({receipt.detail})" if receipt.detail else "")
-
-
 def apply_verdict(data: dict[str, Any], sent: Sent, kind: str, scale: float = 1.0) -> None:
     """Settle `sent` in the device state `data` by the verdict `kind` (see the module's docstring):
     the algorithm's section and the codec's (`residual`, `owed`)."""
@@ -136,17 +129,21 @@ def apply_verdict(data: dict[str, Any], sent: Sent, kind: str, scale: float = 1.
 
 
 class Settlement:
-    """A mixin of `Agent`: it uses the agent's state, receipts, `_deliver` and `_give_back_down_counts`."""
+    """Settles the updates sent: commits in `state` what the coordinator folded; asks `delivery` for a
+    verdict still missing (resending the update); `give_back(down)` returns the downlink byte counts a
+    rejected update reported, so the next one reports them again."""
 
-    unsettled: Sent | None = None
-    committed: Sent | None = None  # the last update committed as folded or clipped, until the next training
+    def __init__(self, state: DeviceState, delivery: Delivery, give_back: Callable[[dict[str, int]], None]) -> None:
+        self.state, self.delivery, self.give_back = state, delivery, give_back
+        self.unsettled: Sent | None = None  # sent, its verdict not known yet: asked for before the next training
+        self.committed: Sent | None = None  # the last update committed as folded or clipped, until the next training
 
-    def _settle(self, sent: Sent, receipt: messages.Receipt | None, resend: bool = False) -> str:
+    def settle(self, sent: Sent, receipt: messages.Receipt | None, resend: bool = False) -> str:
         """Commit what the verdict says was folded (see the module's docstring); returns the verdict."""
         kind, scale, detail = verdict_of(receipt, resend)
         apply_verdict(self.state.data, sent, kind, scale)
         if kind == "rejected":
-            self._give_back_down_counts(sent.down)
+            self.give_back(sent.down)
         self.unsettled = sent if kind == "unknown" else None
         self.committed = sent if kind in ("folded", "clipped") else None
         if kind == "unknown":
@@ -155,22 +152,7 @@ class Settlement:
                      detail)
         return kind
 
-    def _undo_if_abandoned(self) -> None:
-        """Before training: if the update committed last was left out after all (a second receipt: its
-        round was abandoned after the fold took it), settle it again as left out."""
-        sent, self.committed = self.committed, None
-        if sent is None:
-            return
-        with self.receipt_arrived:
-            later = self.receipts.pop(sent.key, None)
-        if later is None or not later.accepted or later.verdict != "left_out":
-            return
-        apply_verdict(self.state.data, sent, "left_out", 0.0)
-        self.state.save()
-        log.warning("round %d: the update committed as folded was left out after all (%s); its commit is "
-                    "undone", sent.task.round, later.detail or "no reason given")
-
-    def _settle_unsettled(self, task: messages.Task) -> None:
+    def settle_unsettled(self, task: messages.Task) -> None:
         """Before training for `task`: undo a commit its round's abandonment overtook; resend the
         update still without a verdict (bounded wait), and settle it by the answer; give up on the
         safe side if none comes."""
@@ -178,15 +160,15 @@ class Settlement:
         sent, self.unsettled = self.unsettled, None
         if sent is None:
             return
-        receipt = self.receipts.pop(sent.key, None)  # a final verdict may have come meanwhile
+        receipt = self.delivery.take(sent.key)  # a final verdict may have come meanwhile
         if receipt is not None and not (receipt.accepted and receipt.verdict == "pending"):
-            kind = self._settle(sent, receipt)
+            kind = self.settle(sent, receipt)
         elif task.round - sent.task.round >= SETTLE_ROUNDS:
             kind = "unknown"
         else:
             ask = replace(sent.task, deadline=min(time.time() + SETTLE_WAIT, task.deadline))
-            self._deliver(ask, sent.payload, "update (resent for its verdict)")
-            kind = self._settle(sent, self.last_receipt, resend=True)
+            self.delivery.deliver(ask, sent.payload, "update (resent for its verdict)")
+            kind = self.settle(sent, self.delivery.last_receipt, resend=True)
         if kind == "unknown":
             self.unsettled = None
             ef = self.state.section("codec")
@@ -199,24 +181,16 @@ class Settlement:
             log.info("round %d: the round %d update settled: %s", task.round, sent.task.round, kind)
         self.state.save()
 
-    def _await_final(self, key: tuple[int, int], until: float) -> messages.Receipt | None:
-        """After a `pending` receipt: the second receipt, with the fold's final verdict, until `until`
-        (or shutdown, or a newer task: then the update is settled before that task's training)."""
-        with self.receipt_arrived:
-            while time.time() < until and not self.stopping.is_set() and self.tasks.empty():
-                receipt = self.receipts.get(key)
-                if receipt is not None and receipt.verdict != "pending":
-                    return self.receipts.pop(key)
-                self.receipt_arrived.wait(min(0.5, max(0.0, until - time.time())))
-        return None
-
-    def _claims(self) -> dict[str, str]:
-        """The `owed` metric: the earlier updates the residual still carries, e.g. {"owed": "12.1 13.1"}."""
-        claims = self.state.section("codec").get("owed", [])
-        return {"owed": " ".join(claims)} if claims else {}
-
-    def _sent(self, task: messages.Task, payload: bytes, algorithm: str, rule: Any, before: dict, delta: dict,
-              encoded: codec.Encoded, old_residual: dict | None, down: dict) -> Sent:
-        return Sent(task, payload, algorithm, rule, before, delta, encoded, old_residual, down,
-                    list(self.state.section("codec").get("owed", [])))
-
+    def _undo_if_abandoned(self) -> None:
+        """Before training: if the update committed last was left out after all (a second receipt: its
+        round was abandoned after the fold took it), settle it again as left out."""
+        sent, self.committed = self.committed, None
+        if sent is None:
+            return
+        later = self.delivery.take(sent.key)
+        if later is None or not later.accepted or later.verdict != "left_out":
+            return
+        apply_verdict(self.state.data, sent, "left_out", 0.0)
+        self.state.save()
+        log.warning("round %d: the update committed as folded was left out after all (%s); its commit is "
+                    "undone", sent.task.round, later.detail or "no reason given")

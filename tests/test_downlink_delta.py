@@ -201,7 +201,7 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
     send_manifest(agent, client, m0)
     assert client.subscribed == {topics.model_chunks("default", 0)}
     send_chunk(agent, client, 0, full)
-    assert client.subscribed == set() and agent.arrived_via[0] == "full"
+    assert client.subscribed == set() and agent.fetch.arrived_via[0] == "full"
     # counted as received, the manifest and the chunk, as the device's first download
     assert agent.state.data["bytes_down_join"] > len(full) and agent.state.data["bytes_down"] == 0
     for version in (1, 2):  # the agent holds version - 1: one delta each, no chunks
@@ -211,9 +211,9 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
         assert client.subscribed == {topics.model_delta("default", version)}
         send_delta(agent, client, version, server.deltas[version])
         assert client.subscribed == set()
-        got = agent._wait_for_model(version, time.time() + 1)
-        assert got[1] == full and agent.arrived_via[version] == "delta"
-    assert 0 < agent._take_down_counts()["bytes_down"] < len(full)  # two manifests and two deltas
+        got = agent.fetch.wait_for_model(version, time.time() + 1)
+        assert got[1] == full and agent.fetch.arrived_via[version] == "delta"
+    assert 0 < agent.fetch.take_down_counts()["bytes_down"] < len(full)  # two manifests and two deltas
 
     # two manifests before the first one's delta arrived (a slow link): both chains complete
     server.advance(next(steps), 3)
@@ -225,7 +225,8 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
     assert client.subscribed == {topics.model_delta("default", 3), topics.model_delta("default", 4)}
     send_delta(agent, client, 3, server.deltas[3])
     send_delta(agent, client, 4, server.deltas[4])
-    assert agent._wait_for_model(4, time.time() + 1)[1] == full and 3 in agent.models and client.subscribed == set()
+    assert agent.fetch.wait_for_model(4, time.time() + 1)[1] == full and 3 in agent.fetch.models
+    assert client.subscribed == set()
 
     # a delta that does not reproduce the manifest's model: one line, then the full model
     server.advance(next(steps), 5)
@@ -237,16 +238,16 @@ def test_agent_follows_deltas_and_fetches_the_full_model_when_they_do_not_fit(tm
         send_delta(agent, client, 5, forged)
     assert client.subscribed == {topics.model_chunks("default", 5)}
     assert "model version 5: cannot use the deltas from version 4 (integrity" in caplog.text
-    assert agent._wait_for_model(5, time.time() + 0.2) is None  # never the unverified model
+    assert agent.fetch.wait_for_model(5, time.time() + 0.2) is None  # never the unverified model
     send_chunk(agent, client, 5, full)
-    assert agent._wait_for_model(5, time.time() + 1)[1] == full and agent.arrived_via[5] == "full"
+    assert agent.fetch.wait_for_model(5, time.time() + 1)[1] == full and agent.fetch.arrived_via[5] == "full"
 
     # a malformed delta: counted with its reason, and the full model instead
     server.advance(next(steps), 6)
     manifest, full = release(server, 6)
     send_manifest(agent, client, manifest)
     send_delta(agent, client, 6, b"\x92junk")
-    assert client.subscribed == {topics.model_chunks("default", 6)} and agent.downlink_rejected["malformed"] == 1
+    assert client.subscribed == {topics.model_chunks("default", 6)} and agent.fetch.downlink_rejected["malformed"] == 1
     send_chunk(agent, client, 6, full)
 
     # too far behind (the agent was away for three versions, the chain keeps two): full model

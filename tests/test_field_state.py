@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.agent import owed
+from edge_agent.settlement import owed
 from edge_agent.training import LocalSettings, train_locally
 from edgefl_protocol import algorithms, codec
 from models.architectures import get_weights, set_weights

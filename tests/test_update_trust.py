@@ -113,16 +113,16 @@ def test_agent_fetches_chunks_once_and_not_again_when_it_has_the_bytes(tmp_path)
     weights = get_weights(build_model("digits_mlp"))
     manifest, chunks = downlink.release(0, "digits_mlp", weights, "float32", chunk_bytes=1024)
     agent, client = Agent(load_config(tmp_path / "agent.toml")), FakeClient()
-    agent._on_manifest(client, manifest)
+    agent.fetch.on_manifest(client, manifest)
     assert client.subscribed == [topics.model_chunks("default", 0)]
     for i, chunk in enumerate(chunks):
-        agent._on_chunk(client, 0, i, chunk)
-    assert client.subscribed == [] and agent._wait_for_model(0, time.time() + 1)[1] == b"".join(chunks)
-    agent._remember_model(manifest, b"".join(chunks))
+        agent.fetch.on_chunk(client, 0, i, chunk)
+    assert client.subscribed == [] and agent.fetch.wait_for_model(0, time.time() + 1)[1] == b"".join(chunks)
+    agent.fetch.remember_model(manifest, b"".join(chunks))
 
     # the same bytes published again as the next version (e.g. an abandoned round), and after a restart
     same = downlink.release(1, "digits_mlp", weights, "float32", chunk_bytes=1024)[0]
-    agent._on_manifest(client, same)
+    agent.fetch.on_manifest(client, same)
     restarted = Agent(load_config(tmp_path / "agent.toml"))
-    restarted._on_manifest(client, same)
-    assert client.subscribed == [] and restarted._wait_for_model(1, time.time() + 1) is not None
+    restarted.fetch.on_manifest(client, same)
+    assert client.subscribed == [] and restarted.fetch.wait_for_model(1, time.time() + 1) is not None

@@ -25,6 +25,7 @@ from broker_coordinator.simulation.simulate import (
     write_agent_config,
 )
 from broker_coordinator.storage.store import Store
+from edge_agent.delivery import Delivery
 from edge_agent.settlement import Sent, Settlement
 from edge_agent.state import DeviceState
 from edgefl_protocol import codec, messages, signing
@@ -249,24 +250,22 @@ class _Dual:
         self.state = {"h": [a.copy() for a in decoded.values()]}
 
 
-class _Device(Settlement):
-    """The agent's settlement with only what it reads: its state, its receipts and their condition."""
-
-    def __init__(self, state_dir) -> None:  # noqa: ANN001
-        self.state = DeviceState(state_dir)
-        self.receipts: dict = {}
-        self.receipt_arrived = threading.Condition()
+def _device(state_dir) -> Settlement:  # noqa: ANN001
+    """The agent's settlement with what it declares: its state, a delivery (nothing is published: a
+    resend finds no broker) and where rejected downlink counts go back."""
+    delivery = Delivery(lambda topic, payload, deadline: False, "update", threading.Event(), lambda: False)
+    return Settlement(DeviceState(state_dir), delivery, lambda down: None)
 
 
-def _committed_update(tmp_path) -> tuple[_Device, dict]:
+def _committed_update(tmp_path) -> tuple[Settlement, dict]:
     """A device whose round 4 update was received as folded: its dual holds the delta."""
-    device = _Device(tmp_path / "state")
+    device = _device(tmp_path / "state")
     before = {"h": [np.zeros(3, np.float32)]}
     device.state.data["feddyn"] = before
     delta = {"w": np.array([0.1, -0.2, 0.3], np.float32)}
     sent = Sent(messages.Task(4, 0, time.time() + 60, "feddyn"), b"", "feddyn", _Dual(before), before, delta,
                 codec.encode(delta, "float32"), None, {})
-    assert device._settle(sent, messages.Receipt(4, 1, True, verdict="folded")) == "folded"
+    assert device.settle(sent, messages.Receipt(4, 1, True, verdict="folded")) == "folded"
     np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], delta["w"])
     return device, delta
 
@@ -275,15 +274,15 @@ def test_a_commit_overtaken_by_its_rounds_abandonment_is_undone_before_the_next_
     """A streaming fold says "folded" on arrival; the round is then abandoned and a second receipt says
     left_out. Before its next training the agent settles that update again: the dual is what it was."""
     device, _ = _committed_update(tmp_path)
-    device.receipts[(4, 1)] = messages.Receipt(4, 1, True, detail="round 4 abandoned: quorum", verdict="left_out")
-    device._settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
+    device.delivery.receive(messages.Receipt(4, 1, True, detail="round 4 abandoned: quorum", verdict="left_out"))
+    device.settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
     np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], 0.0)
-    assert device.committed is None and (4, 1) not in device.receipts
+    assert device.committed is None and (4, 1) not in device.delivery.receipts
 
 
 def test_a_commit_with_no_later_receipt_stands(tmp_path):
     device, delta = _committed_update(tmp_path)
-    device._settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
+    device.settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
     np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], delta["w"])
 
 
