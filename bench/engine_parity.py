@@ -308,7 +308,7 @@ def tree_env(tree: Path) -> dict[str, str]:
 
 def imports_of(tree: Path) -> dict[str, str]:
     """Where a process started as the runtime runs is started imports the project from: every module
-    must come from `tree` (the venv holds /work/main in editable mode)."""
+    must come from `tree` (the venv holds the checkout in editable mode)."""
     out = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=tree, env=tree_env(tree), capture_output=True,
                          text=True, timeout=300)
     if out.returncode != 0:
@@ -342,7 +342,7 @@ def runtime_once(label: str, tree: Path, work: Path) -> dict[str, Any]:
     return {"label": label, "commit": git(tree, "rev-parse", "--short", "HEAD").strip(), "code_key": key,
             "code_changed_during_run": code_key(tree) != key,
             "imports": imports, "shim": shim,
-            "command": f"cd {tree} && PYTHONPATH={tree} python -m bench.runtime --only scale --out TMP (RUNTIME_SHIM)",
+            "command": "cd TREE && PYTHONPATH=TREE python -m bench.runtime --only scale --out TMP (RUNTIME_SHIM)",
             "reference_decode_ms": result["machine"].get("reference_decode_ms"), "load_start": list(load),
             "load_end": list(os.getloadavg()), "seconds": round(time.time() - started, 1), "scale": scale}
 

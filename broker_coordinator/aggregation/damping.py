@@ -11,11 +11,11 @@ server dual adds up the undamped mean, as the devices' duals do.
 
 Device updates and site partials are damped at different places, with the same bookkeeping
 (`Staleness`):
-- `DampedUpdates`: the wrapped fold is given each update with the weight n_k f(s_k), so the norm
-  bound and the direction gate see every delta at its own length; the step is scaled by the
-  damping on the way out.
-- `DampedPartials`: a partial's sums come scaled by f(s_j) and its weight W_j unscaled, so the
-  centre's fold of partials yields the damped step as it is.
+- updates: the wrapped fold is given each update with the weight n_k f(s_k), so the norm bound
+  and the direction gate see every delta at its own length; the step is scaled by the damping on
+  the way out (`Damped(fold, scale_step=True)`);
+- partials: a partial's sums come scaled by f(s_j) and its weight W_j unscaled, so the centre's
+  fold of partials yields the damped step as it is (`scale_step=False`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from collections.abc import Mapping
 import numpy as np
 
 from broker_coordinator.aggregation.fold import Fold, FoldReport
-from broker_coordinator.aggregation.private_partials import PrivateTreeSum
-from broker_coordinator.aggregation.tree_sum import TreeSum
 from edgefl_protocol.site_partials import VOTES, Partial
 
 
@@ -58,12 +56,14 @@ class Staleness:
         return report
 
 
-class DampedUpdates:
-    """A fold of device updates, its step scaled by the buffer's damping (taken over every update
-    folded in, including any the direction gate leaves out)."""
+class Damped:
+    """A buffer's fold wrapped in its damping. Updates (`add`, then `damp`) are given to the fold
+    with their damped weight and the step is scaled on the way out; partials (`add_partial`)
+    arrive with their sums scaled and their weight not, so the fold's step is already damped."""
 
-    def __init__(self, fold: Fold) -> None:
+    def __init__(self, fold: Fold, *, scale_step: bool) -> None:
         self.fold = fold
+        self.scale_step = scale_step
         self.staleness = Staleness()
         # the live records the verdicts read are the wrapped fold's own
         self.clipped, self.centered, self.gated = fold.clipped, fold.centered, fold.gated
@@ -81,7 +81,7 @@ class DampedUpdates:
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
             norm: float | None = None) -> None:
-        """`weight` is n_k f(s_k), already damped (`damp` records by how much)."""
+        """A device update whose `weight` is n_k f(s_k), already damped (`damp` records by how much)."""
         self.fold.add(device, delta, weight, steps, norm)  # type: ignore[attr-defined]
 
     def damp(self, weight: float, factor: float, staleness: int) -> None:
@@ -89,42 +89,18 @@ class DampedUpdates:
         and had the factor `factor` = f(s_k)."""
         self.staleness.record(weight, weight / factor, staleness)
 
-    def result(self) -> dict[str, np.ndarray]:
-        damping = self.staleness.damping
-        return {name: (a * damping).astype(np.float32) for name, a in self.fold.result().items()}
-
-    def report(self) -> FoldReport:
-        return self.staleness.paced(self.fold.report())
-
-
-class DampedPartials:
-    """A buffer of site partials: the centre's fold fed each partial's sums times its staleness
-    factor (its weight unscaled; a sign vote is a count and stays one), so its step is damped."""
-
-    def __init__(self, fold: TreeSum | PrivateTreeSum) -> None:
-        self.fold = fold
-        self.staleness = Staleness()
-        self.clipped, self.centered, self.gated = fold.clipped, fold.centered, fold.gated
-
-    @property
-    def count(self) -> int:
-        return self.fold.count
-
-    @property
-    def center(self) -> Mapping[str, np.ndarray] | None:
-        return self.fold.center
-
-    def undecided(self, device: str) -> bool:
-        return False
-
-    def add(self, partial: Partial, sums: Mapping[str, np.ndarray], *, factor: float = 1.0,
-            staleness: int = 0) -> None:
-        self.fold.add(partial, {name: a if name == VOTES else np.asarray(a, dtype=np.float64) * factor
+    def add_partial(self, partial: Partial, sums: Mapping[str, np.ndarray], factor: float, staleness: int) -> None:
+        """A site's partial: its sums times f(s_j), its weight W_j unscaled (a sign vote is a count)."""
+        self.fold.add(partial, {name: a if name == VOTES else np.asarray(a, dtype=np.float64) * factor  # type: ignore[attr-defined]
                                 for name, a in sums.items()})
         self.staleness.record(partial.total_weight * factor, partial.total_weight, staleness)
 
     def result(self) -> dict[str, np.ndarray]:
-        return self.fold.result()
+        step = self.fold.result()
+        if not self.scale_step:
+            return step
+        damping = self.staleness.damping
+        return {name: (a * damping).astype(np.float32) for name, a in step.items()}
 
     def report(self) -> FoldReport:
         return self.staleness.paced(self.fold.report())

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from broker_coordinator.aggregation.damping import DampedUpdates
+from broker_coordinator.aggregation.damping import Damped
 from broker_coordinator.aggregation.staleness import staleness_factor
 from broker_coordinator.engine.coordinator import Coordinator, RoundFailed
 from broker_coordinator.engine.intake import Judged, _clock
@@ -111,7 +111,7 @@ class BufferedCoordinator(Coordinator):
     def _open_buffer(self, round_no: int) -> Round:
         s = self.settings
         rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, len(self.online))
-        rnd.aggregate = DampedUpdates(rnd.aggregate)
+        rnd.aggregate = Damped(rnd.aggregate, scale_step=True)
         self.folded = set()
         self._set_state(rnd, RoundState.COLLECTING)
         return rnd

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any
 
-from broker_coordinator.aggregation.damping import DampedPartials
+from broker_coordinator.aggregation.damping import Damped
 from broker_coordinator.aggregation.staleness import staleness_factor
 from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
 from broker_coordinator.engine.coordinator import Coordinator
@@ -64,7 +64,7 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
         rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, self.population())
         tree_sum = self.tree_sum(round_no, {})
         self.extras = tree_sum.extras
-        rnd.aggregate = DampedPartials(tree_sum)
+        rnd.aggregate = Damped(tree_sum, scale_step=False)
         self.folded = set()
         self._set_state(rnd, RoundState.COLLECTING)
         return rnd
@@ -109,7 +109,7 @@ class BufferedTreeCoordinator(BufferedCoordinator, TreeCoordinator):
             return
         assert current is not None
         factor = staleness_factor(self.settings.staleness_weight, staleness)
-        current.aggregate.add(partial, sums, factor=factor, staleness=staleness)
+        current.aggregate.add_partial(partial, sums, factor, staleness)
         sender = f"{site}/{partial.worker}"
         self._book_partial(current, site, sender, partial)
         current.device_metrics[sender].update(staleness=staleness, staleness_factor=round(factor, 4))
