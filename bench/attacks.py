@@ -196,7 +196,7 @@ def run_one(partition: str, run: str, fold: str, seed: int, rounds: int) -> dict
         sim.keys = {d: k for d, k in zip(sim.devices, sim.keys.values())}
         sim.classes = dict(zip(sim.devices, sim.classes.values()))
         sim.states = {d: {} for d in sim.devices}
-        sim.coordinator.device_keys = dict(sim.keys)
+        sim.coordinator.intake.keys = dict(sim.keys)
     in_sites = None
     if sites:
         from bench.attacks_sites import InSites
@@ -224,7 +224,7 @@ def run_one(partition: str, run: str, fold: str, seed: int, rounds: int) -> dict
     out = {"partition": partition, "run": run, "fold": fold, "seed": seed, "rounds": rounds,
            "accuracy": accuracy, "final_accuracy": accuracy[-1], "attackers": sorted(bad),
            "attacker_updates_sent": sent, "attacker_updates_folded": folded, "honest_updates": honest,
-           "honest_left_out": left_out, "clipped": clipped, "rejected": dict(sim.coordinator.rejections),
+           "honest_left_out": left_out, "clipped": clipped, "rejected": dict(sim.coordinator.intake.rejections),
            "seconds": round(time.time() - started, 1)}
     if in_sites is not None:
         out["forged_partials"] = in_sites.forged

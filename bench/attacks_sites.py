@@ -14,11 +14,12 @@ import time
 
 import numpy as np
 
-from broker_coordinator.engine.coordinator import RoundFailed
+from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
-from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
+from broker_coordinator.engine.tree import SiteSpec, quotas
+from broker_coordinator.engine.loop import Engine
 from broker_coordinator.simulation.in_memory import fold_partials
-from edgefl_protocol import codec, messages, signing
+from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.site_partials import SiteTask, encode_center, encode_partial
 
 from .inmemory import FED, InMemoryFederation
@@ -31,8 +32,8 @@ class InSites:
         self.where = {d: names[i % sites] for i, d in enumerate(sim.devices)}
         self.members = {s: [d for d in sim.devices if self.where[d] == s] for s in names}
         self.site_keys = {s: signing.new_key() for s in names}
-        self.tree = TreeCoordinator(FED, sim.arch, sim.test, sim.settings, seed=sim.seed, device_keys={},
-                                    sites={s: SiteSpec(1, self.site_keys[s], len(self.members[s])) for s in names})
+        self.tree = Engine(FED, sim.arch, sim.test, sim.settings, seed=sim.seed, device_keys={},
+                           sites={s: SiteSpec(1, self.site_keys[s], len(self.members[s])) for s in names})
         sim.coordinator = self.tree  # the devices train from the tree's model and server rule
         self.workers = {s: SiteWorker(FED, s, sim.arch, self.site_keys[s], {d: sim.keys[d] for d in self.members[s]},
                                       seed=sim.seed) for s in names}
@@ -54,10 +55,11 @@ class InSites:
             site_task = SiteTask(round_no, 1, len(cohort), messages.encode("task", task), site_rules(s),
                                  *encode_center(center))
             worker = self.workers[site]
-            rnd = worker._open(site_task, task, set(cohort))
-            worker.current = rnd
-            for device in cohort:
-                worker._on_update(rnd, device, trained[device].payload, time.time())
+            rnd = worker.current = worker.open(site_task, task, set(cohort))
+            for device in cohort:  # through the worker's in-memory transport, as its broker would hand them over
+                worker.transport.deliver(topics.update(FED, device), trained[device].payload)
+            while not worker.transport.inbox.empty():
+                worker.step(0.0)
             partial = worker.partial(rnd)
             worker.verdicts.settle(rnd.aggregate)  # the close decided its devices' verdicts
             worker.sent.add((round_no, 1))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker_coordinator.engine.coordinator import RoundSettings
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.aggregation.serving import ServedAverage
 from models.architectures import build_model, set_weights
 from models.datasets import Dataset

@@ -205,7 +205,7 @@ def load_runs(runs: Path, rounds: int) -> dict[str, dict[int, dict]]:
 
 def report(runs: Path, rounds: int, stem: str) -> dict:
     from edgefl_protocol import algorithms, codec
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     table = load_runs(runs, rounds)
     rows = {row: seeds for row, seeds in table.items() if "_" not in row}
     passes_ref = {opt: mean([s["passes"] for s in rows.get(f"fedavg+{opt}", {}).values()]) for opt in ("sgd", "momentum")}

@@ -4,7 +4,7 @@ Each round, the driver selects the cohort as the coordinator does, and every sel
 agent's own step, `edge_agent.device_step.device_step`: it chooses its local epochs from its speed and
 the deadline when the task says `local_epochs = 0`, trains with the algorithm's client rule, encodes
 the delta with the task's codec and its own error feedback, and signs the update with its key. The
-signed payloads go through the real `Coordinator.fold_round`: signature, validation, trust bounds, the
+signed payloads go through the engine's in-memory transport (`simulation.in_memory.fold_round`): signature, validation, trust bounds, the
 default fold, the server rule, evaluation. A device commits its algorithm state and its codec residual
 only for what the fold folded, as it folded it (the verdict its receipt would carry), as the agent
 does (`edge_agent.settlement`).
@@ -30,7 +30,9 @@ import numpy as np
 import torch
 
 from bench import host_speed as host_speeds
-from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.engine.rounds import RoundFailed
+from broker_coordinator.settings.round_settings import RoundRecord
 from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.fleet import PROFILES
@@ -90,7 +92,7 @@ class InMemoryFederation:
         self.keys = {d: signing.new_key() for d in self.devices}
         self.classes = dict(zip(self.devices, self.fleet or ["pi4"] * len(self.devices)))
         self.states: dict[str, dict] = {d: {} for d in self.devices}
-        self.coordinator = Coordinator(FED, self.arch, self.test, self.settings, seed=self.seed,
+        self.coordinator = Engine(FED, self.arch, self.test, self.settings, seed=self.seed,
                                        device_keys=self.keys)
         self.rng = random.Random(self.seed)
         self.last_metrics: dict[str, dict] = {}
@@ -145,7 +147,7 @@ class InMemoryFederation:
         update (its `verdicts` and `accepted`): the coordinator, or in sites the device's site worker."""
         judge = self.coordinator if judge is None else judge
         verdict = judge.verdicts.of((device, round_no, 1))
-        if (device, round_no, 1) not in judge.accepted:
+        if (device, round_no, 1) not in judge.intake.accepted:
             kind, scale = "rejected", 0.0
         elif verdict is None or verdict.kind not in ("folded", "clipped", "left_out"):
             kind, scale = "unknown", 0.0  # never: fold_round closes the round, so every verdict is final

@@ -61,7 +61,7 @@ import numpy as np
 from bench import inmemory, provenance
 from bench.privacy_simulate import simulate_run
 from broker_coordinator.aggregation.accountant import Accountant, Sampling
-from broker_coordinator.engine.coordinator import Coordinator
+from broker_coordinator.engine.loop import Engine
 from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.round_settings import RoundSettings
@@ -146,7 +146,7 @@ def run(name: str, arch: str, clients: list, test, settings: RoundSettings, roun
 
 def round_time(clients: list, test, repeats: int, clip_initial: float, cohort: int = 1000,
                population: int = 10_000, **described: object) -> dict:
-    """Coordinator seconds per round at `cohort` participants without and with DP, interleaved on
+    """Engine seconds per round at `cohort` participants without and with DP, interleaved on
     the same signed updates (see the module's docstring); `described`: what else decided the
     numbers (the data's cuts), into its measured_with."""
     started, load = time.time(), os.getloadavg()[0]
@@ -162,7 +162,7 @@ def round_time(clients: list, test, repeats: int, clip_initial: float, cohort: i
     for device in devices:  # real local training from the initial model, encoded with the shipped codec
         payload = fed.train(device, 1, hp).payload
         updates[device] = messages.decode_answer(payload, 1 << 30, fed.keys[device], device)
-    coordinators = {"off": fed.coordinator, "central": Coordinator(inmemory.FED, "synthetic_mlp", test,
+    coordinators = {"off": fed.coordinator, "central": Engine(inmemory.FED, "synthetic_mlp", test,
                                                                    central_settings, seed=0, device_keys=fed.keys)}
     upload_bytes = {}
 
@@ -175,7 +175,7 @@ def round_time(clients: list, test, repeats: int, clip_initial: float, cohort: i
             c.privacy.check_budget(c.next_round)
             c.privacy.cohort(fed.devices)
         else:
-            select(c.settings.selection, fed.devices, cohort, c.rng, c.last_metrics)
+            select(c.settings.selection, fed.devices, cohort, c.rng, c.intake.last_metrics)
         record = fold_round(c, payloads, c.next_round)
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         assert record.participants == len(updates), (name, record.participants, record.rejected)
@@ -553,7 +553,7 @@ def report(result: dict) -> str:
                    f"{check['rdp']:.4f}.")]
     if result["round_seconds"]:
         rs = result["round_seconds"]
-        line = (f"Coordinator time per round at 1,000 participants (median): off {rs['off']:.3f} s, central "
+        line = (f"Engine time per round at 1,000 participants (median): off {rs['off']:.3f} s, central "
                 f"{rs['central']:.3f} s ({rs['central'] / rs['off']:.3f}x, target at most 1.05x)")
         if "cpu" in rs:
             line += (f"; CPU {rs['cpu']['off']:.3f} s and {rs['cpu']['central']:.3f} s ({rs['cpu']['ratio']:.3f}x); "

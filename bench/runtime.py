@@ -40,7 +40,8 @@ import psutil  # noqa: E402
 
 from broker_coordinator.access.broker import COORDINATOR_USER  # noqa: E402
 from broker_coordinator.simulation.private_broker import PrivateBroker  # noqa: E402
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings  # noqa: E402
+from broker_coordinator.engine.loop import Engine  # noqa: E402
+from broker_coordinator.settings.round_settings import RoundSettings  # noqa: E402
 from broker_coordinator.engine.rounds import RoundState  # noqa: E402
 from broker_coordinator.simulation.processes import stop_processes  # noqa: E402
 from broker_coordinator.simulation.simulate import (SimulationSpec, prepare_shards, spawn_agent,  # noqa: E402
@@ -166,7 +167,7 @@ def overhead_run(agents: int, rounds: int, workdir: Path) -> dict:
 
     processes = []
     with broker:
-        coordinator = Coordinator(FED, data.model, data.test, OVERHEAD_SETTINGS,
+        coordinator = Engine(FED, data.model, data.test, OVERHEAD_SETTINGS,
                                   store=Store(workdir / "coordinator"), on_state=on_state, device_keys=keys)
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, password)
         try:
@@ -251,7 +252,7 @@ def coordinator_worker(args: argparse.Namespace) -> None:
         marks.setdefault(rnd.number, {})[rnd.state.value] = time.time()
         marks[rnd.number][rnd.state.value + "_cpu"] = time.process_time()
 
-    coordinator = Coordinator(FED, "mnist_cnn", data.test,
+    coordinator = Engine(FED, "mnist_cnn", data.test,
                               scale_settings(args.size),
                               store=Store(args.state), on_state=on_state,
                               device_keys={f"sim-{i:04d}": swarm_key(f"sim-{i:04d}") for i in range(args.size)})

@@ -71,7 +71,7 @@ def raise_open_files(needed: int) -> int:
 
 
 def write_body(workdir: Path) -> Path:
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import codec
     from models.architectures import build_model, get_weights
     weights = get_weights(build_model("mnist_cnn"))
@@ -236,19 +236,20 @@ class TimedObjective:
 
 
 def coordinator_main(args: argparse.Namespace) -> None:
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.access.sites import site_key
-    from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
+    from broker_coordinator.engine.tree import SiteSpec
     from models import datasets
     data = datasets.load("mnist5k")
     settings = RoundSettings(algorithm="fedavg", round_timeout=args.timeout, min_updates=1,
                              max_attempts=1)  # the default fold, at the sites and at the centre
     if args.topology == "flat":
         keys = {f"dev-{i:05d}": device_key(f"dev-{i:05d}") for i in range(args.devices)}
-        coordinator = Coordinator(FED, "mnist_cnn", data.test, settings, device_keys=keys)
+        coordinator = Engine(FED, "mnist_cnn", data.test, settings, device_keys=keys)
     else:
         sites = {s: SiteSpec(1, site_key(args.password, s)) for s in args.sites.split(",")}
-        coordinator = TreeCoordinator(FED, "mnist_cnn", data.test, settings, sites=sites)
+        coordinator = Engine(FED, "mnist_cnn", data.test, settings, sites=sites)
     evaluation_cpu = [0.0]  # the central evaluation's share: fixed per round, whatever the participants
     coordinator.objective = TimedObjective(coordinator.objective, evaluation_cpu)
     coordinator.connect("127.0.0.1", args.port, COORDINATOR_USER, args.password)
@@ -358,7 +359,7 @@ def markdown(out: dict) -> str:
     ratio = out["ratio_flat_over_tree"]
     lines += ["", f"- Central bytes per round, flat / tree at {out['participants']} participants: **{ratio:.1f}x** "
                   f"(target >= 20x: {'met' if ratio >= 20 else 'missed'}).",
-              f"- Coordinator CPU per accepted update: flat {1000 * cpu['flat']:.2f} ms, tree {1000 * cpu['tree']:.2f} "
+              f"- Engine CPU per accepted update: flat {1000 * cpu['flat']:.2f} ms, tree {1000 * cpu['tree']:.2f} "
               f"ms; site aggregators {1000 * (out['site_aggregator_cpu_s_per_update'] or 0):.2f} ms per update.",
               *evaluation_share(out),
               f"- Round seconds (median): flat {r['flat']:.1f}, tree {r['tree']:.1f}."]

@@ -29,7 +29,7 @@ ROUNDS, CLIENTS, PARTITION = 20, 10, "dirichlet:0.3"
 
 
 def run(algorithm: str, optimizer: str, seed: int) -> list[float]:
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     from models import datasets, partition
     data = datasets.load("digits")
     clients = [data.train.subset(p) for p in partition.split(PARTITION, data.train.y, CLIENTS, 0)]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[f"{algorithm}+{optimizer}"] = {"final_accuracy": final, "best_accuracy": best, "seeds": seeds,
                                                 "curves": [[round(100 * a, 1) for a in c] for c in curves]}
             print(f"{algorithm}+{optimizer}: final {final}, best {best}", flush=True)
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     result = {"runs": rows, "measured_with": provenance.measured_with(
         provenance.invoked(), {k: v for k, v in provenance.deciding(RoundSettings(codec="float32", local_epochs=1)).items()
                                if k not in ("algorithm", "server_optimizer", "server_lr")},

@@ -69,7 +69,7 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
 
     from broker_coordinator.settings import limits
     from broker_coordinator.settings.config import load_config
-    from broker_coordinator.engine.coordinator import Coordinator
+    from broker_coordinator.engine.loop import Engine
     from models.datasets import Dataset
 
     from .conftest import Recorder
@@ -80,10 +80,10 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
     server = start_server(tmp_path / "server", message_size_limit=0)
     try:
         rounds = load_config(server.config_path).rounds
-        coordinator = Coordinator(FIELD, "digits_mlp", Dataset(np.zeros((2, 64), np.float32), np.zeros(2, np.int64)),
+        coordinator = Engine(FIELD, "digits_mlp", Dataset(np.zeros((2, 64), np.float32), np.zeros(2, np.int64)),
                                   rounds)
-        assert limits.federation_update_cap("digits_mlp", rounds) == coordinator.max_update_bytes
-        limit = limits.packet_limit(coordinator.max_update_bytes, rounds.model_chunk_bytes)
+        assert limits.federation_update_cap("digits_mlp", rounds) == coordinator.intake.terms.max_update_bytes
+        limit = limits.packet_limit(coordinator.intake.terms.max_update_bytes, rounds.model_chunk_bytes)
         assert f"max_packet_size {limit}\n" in (server.root / "mosquitto/conf.d/edgefl.conf").read_text()
 
         password = enrolled(server, "dev-a")
@@ -93,7 +93,7 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
         dropped = threading.Event()
         device.client.on_disconnect = lambda *args: dropped.set()
         largest = limit - limits.PACKET_SLACK  # a whole update at the coordinator's cap, and a model chunk, fit
-        assert largest >= coordinator.max_update_bytes and largest >= rounds.model_chunk_bytes
+        assert largest >= coordinator.intake.terms.max_update_bytes and largest >= rounds.model_chunk_bytes
         device.client.publish(topics.update(FIELD, "dev-a"), b"u" * largest, qos=1).wait_for_publish(5)
         assert receiver.received.wait(5) and len(receiver.messages[0][1]) == largest
         device.client.publish(topics.update(FIELD, "dev-a"), b"x" * (limit + 1), qos=1)

@@ -98,17 +98,18 @@ def test_centered_clip_weighs_a_device_by_its_standing_from_the_next_round_on():
 
 def test_a_restarted_coordinator_remembers_which_devices_disagreed(tmp_path):
     """The standing is trust state: a restart must not give a flagged attacker its weight back."""
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
     from models import datasets
 
     test = datasets.load("digits").test
-    first = Coordinator("u", "digits_mlp", test, RoundSettings(), store=Store(tmp_path))
+    first = Engine("u", "digits_mlp", test, RoundSettings(), store=Store(tmp_path))
     first.consensus.flags = {"attacker": [1, 1, 0]}
-    trust = first._trust_state()
+    trust = first.trust_state()
     first.store.save_checkpoint(Checkpoint(3, 3, "digits_mlp", first.weights, model_sha256(first.weights), {}, {},
                                            trust=trust))
-    again = Coordinator("u", "digits_mlp", test, RoundSettings(), store=Store(tmp_path))
+    again = Engine("u", "digits_mlp", test, RoundSettings(), store=Store(tmp_path))
     assert again.consensus.flags == {"attacker": [1, 1, 0]}
     assert again.consensus.of("attacker") == pytest.approx(1 - 2 * FLAG_COST / WINDOW)
 

@@ -8,11 +8,9 @@ import time
 import pytest
 
 from broker_coordinator.access.broker import COORDINATOR_USER
-from broker_coordinator.engine.coordinator import (
-    Coordinator,
-    RoundFailed,
-    RoundSettings,
-)
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.engine.rounds import RoundFailed
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol import codec, messages, signing, topics
@@ -44,11 +42,11 @@ def test_first_round_with_all_devices_selects_every_online_device(tmp_path):
                            retain=True).wait_for_publish(5)
             client.disconnect()
             client.loop_stop()
-        coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test,
+        coordinator = Engine(FED, "digits_mlp", datasets.load("digits").test,
                                   RoundSettings(clients_per_round=0, min_updates=1, round_timeout=1.5))
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
-            rnd = coordinator._attempt(1, 1)  # nobody answers: abandoned, but the cohort is what matters
+            rnd = coordinator.schedule.attempt(coordinator, 1, 1)  # nobody answers: abandoned, but the cohort is what matters
             assert rnd.cohort == set(devices)
         finally:
             coordinator.close()
@@ -63,26 +61,26 @@ def test_a_retained_update_is_rejected_and_cleared(tmp_path, caplog):
                        retain=True).wait_for_publish(5)
         client.disconnect()
         client.loop_stop()
-        coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
+        coordinator = Engine(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
             give_up = time.monotonic() + 30
-            while coordinator.rejections["retained"] == 0 and time.monotonic() < give_up:
-                coordinator._drain(0.2)
-            assert coordinator.rejections["retained"] == 1
+            while coordinator.intake.rejections["retained"] == 0 and time.monotonic() < give_up:
+                coordinator.drain(0.2)
+            assert coordinator.intake.rejections["retained"] == 1
             settle = time.monotonic() + 1  # the clearing publish is asynchronous: let it reach the broker
             while time.monotonic() < settle:
-                coordinator._drain(0.2)
+                coordinator.drain(0.2)
         finally:
             coordinator.close()
         # it was cleared: a new subscriber gets nothing retained on that topic
-        again = Coordinator(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
+        again = Engine(FED, "digits_mlp", datasets.load("digits").test, RoundSettings())
         again.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
             deadline = time.monotonic() + 2
             while time.monotonic() < deadline:
-                again._drain(0.2)
-            assert again.rejections["retained"] == 0
+                again.drain(0.2)
+            assert again.intake.rejections["retained"] == 0
         finally:
             again.close()
 
@@ -93,22 +91,22 @@ def test_an_update_sent_while_the_coordinator_is_away_reaches_it_when_it_returns
     from edgefl_protocol.transport import connect, make_client
     test_set = datasets.load("digits").test
     with _broker(tmp_path, ["dev-a"]) as broker:
-        first = Coordinator(FED, "digits_mlp", test_set, RoundSettings())
+        first = Engine(FED, "digits_mlp", test_set, RoundSettings())
         first.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
-        first._settle_presence()  # subscribed
+        first.settle_presence()  # subscribed
         first.close()
         device = make_client("dev-a", "dev-a", broker.users["dev-a"])
         connect(device, broker.host, broker.port)
         device.publish(topics.update(FED, "dev-a"), b"an update while nobody listens", qos=1).wait_for_publish(5)
         device.disconnect()
         device.loop_stop()
-        again = Coordinator(FED, "digits_mlp", test_set, RoundSettings())
+        again = Engine(FED, "digits_mlp", test_set, RoundSettings())
         again.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
             give_up = time.monotonic() + 30
-            while not again.rejections and time.monotonic() < give_up:
-                again._drain(0.2)
-            assert again.rejections == {"unknown_key": 1}  # it arrived (and, unsigned, was rejected)
+            while not again.intake.rejections and time.monotonic() < give_up:
+                again.drain(0.2)
+            assert again.intake.rejections == {"unknown_key": 1}  # it arrived (and, unsigned, was rejected)
         finally:
             again.close()
 
@@ -123,14 +121,14 @@ def test_a_reset_state_directory_never_reuses_a_version_the_broker_still_holds(t
         old.publish(topics.model(FED, 7), b"an earlier run's manifest", qos=1, retain=True).wait_for_publish(5)
         old.disconnect()
         old.loop_stop()
-        coordinator = Coordinator(FED, "digits_mlp", None, RoundSettings(evaluate="devices"))
+        coordinator = Engine(FED, "digits_mlp", None, RoundSettings(evaluate="devices"))
         assert coordinator.version == 0
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
             assert coordinator.version == 8
         finally:
             coordinator.close()
-        again = Coordinator(FED, "digits_mlp", None, RoundSettings(evaluate="devices"))
+        again = Engine(FED, "digits_mlp", None, RoundSettings(evaluate="devices"))
         again.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         try:
             assert again.version == 0  # the old manifest was cleared; nothing of ours is retained yet
@@ -140,13 +138,13 @@ def test_a_reset_state_directory_never_reuses_a_version_the_broker_still_holds(t
 
 def test_an_update_trained_on_another_model_of_the_same_version_is_rejected_with_a_receipt():
     key = signing.new_key()
-    coordinator = Coordinator(FED, "digits_mlp", datasets.load("digits").test,
+    coordinator = Engine(FED, "digits_mlp", datasets.load("digits").test,
                               RoundSettings(codec="float32", algorithm="fedavg"), device_keys={"dev-0": key})
-    coordinator.released_sha[0] = "ab" * 32  # what this run released as version 0
+    coordinator.releases.sha[0] = "ab" * 32  # what this run released as version 0
     zero = {n: a * 0 for n, a in coordinator.weights.items()}
     encoded = codec.encode(zero, "float32")
     update = messages.Update("dev-0", 1, 0, 10, {"steps": 1, "model_sha": "cd" * 8}, encoded.body, "float32",
                              encoded.specs, FED, 1)
     with pytest.raises(RoundFailed, match="wrong_base"):
         fold_round(coordinator, {"dev-0": messages.encode_update(update, key)}, 1)
-    assert coordinator.rejections == {"wrong_base": 1}
+    assert coordinator.intake.rejections == {"wrong_base": 1}

@@ -6,6 +6,7 @@ import pytest
 
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.robust import RobustRound
+from broker_coordinator.engine.loop import Engine
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.selection import select
 from edgefl_protocol.transport import backoff_delay
@@ -79,11 +80,12 @@ def test_backoff_grows_is_capped_and_jittered():
 
 
 def _coordinator_and_round(tmp_path, **settings):
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Store
     from models import datasets
 
-    c = Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32", **settings),
+    c = Engine("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32", **settings),
                     store=Store(tmp_path),
                     device_keys={d: KEY for d in ("d1", "d2", "d9")})
     return c, Round(1, 1, {"d1", "d2"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound))
@@ -113,24 +115,24 @@ def test_bad_updates_are_counted_and_never_folded(tmp_path, metrics, body_fn, re
     c, rnd = _coordinator_and_round(tmp_path)
     zero = {k: np.zeros_like(v) for k, v in c.weights.items()}
     before = {k: v.copy() for k, v in c.weights.items()}
-    c._on_update(rnd, "d1", _signed("d1", metrics, body_fn(zero) if body_fn else zero), time.time())
-    assert c.rejections[reason] == 1 and rnd.aggregate.count == 0 and rnd.rejected[reason] == 1
+    c.intake.on_update(rnd, "d1", _signed("d1", metrics, body_fn(zero) if body_fn else zero), time.time())
+    assert c.intake.rejections[reason] == 1 and rnd.aggregate.count == 0 and rnd.rejected[reason] == 1
     assert all(np.array_equal(before[k], c.weights[k]) for k in before)
-    c._on_update(rnd, "d2", _signed("d2", {"steps": 2}, zero), time.time())
+    c.intake.on_update(rnd, "d2", _signed("d2", {"steps": 2}, zero), time.time())
     assert rnd.aggregate.count == 1  # the next good update is still accepted
 
 
 def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
     c, rnd = _coordinator_and_round(tmp_path)
     good = lambda d: _signed(d, {"steps": 1}, {k: np.zeros_like(v) for k, v in c.weights.items()})  # noqa: E731
-    c._on_update(rnd, "d1", good("d1"), time.time())
-    c._on_update(rnd, "d1", good("d1"), time.time())  # the same bytes again: a resend, answered, not folded
+    c.intake.on_update(rnd, "d1", good("d1"), time.time())
+    c.intake.on_update(rnd, "d1", good("d1"), time.time())  # the same bytes again: a resend, answered, not folded
     other = _signed("d1", {"steps": 2}, {k: np.zeros_like(v) for k, v in c.weights.items()})
-    c._on_update(rnd, "d1", other, time.time())  # another update for the same round and attempt: a replay
-    c._on_update(rnd, "d9", good("d9"), time.time())
-    c._on_update(rnd, "d2", good("d1"), time.time())  # d2's topic, d1's claim
-    assert (c.rejections["replay"], c.rejections["not_selected"], c.rejections["sender"]) == (1, 1, 1)
-    assert sum(c.rejections.values()) == 3 and rnd.aggregate.count == 1
+    c.intake.on_update(rnd, "d1", other, time.time())  # another update for the same round and attempt: a replay
+    c.intake.on_update(rnd, "d9", good("d9"), time.time())
+    c.intake.on_update(rnd, "d2", good("d1"), time.time())  # d2's topic, d1's claim
+    assert (c.intake.rejections["replay"], c.intake.rejections["not_selected"], c.intake.rejections["sender"]) == (1, 1, 1)
+    assert sum(c.intake.rejections.values()) == 3 and rnd.aggregate.count == 1
 
 
 def _update(c, device="d1", *, federation="u", model_version=0, codec_name="float32", scale=0.0):
@@ -158,11 +160,11 @@ def test_wrong_federation_model_codec_and_norm_are_rejected_with_their_reason(tm
     c.settings.max_update_norm = 10.0  # a delta of all ones over 4,810 weights has norm ~69
     before = {k: v.copy() for k, v in c.weights.items()}
     with caplog.at_level("WARNING"):
-        c._on_update(rnd, "d1", _update(c, **fields), time.time())
-    assert c.rejections[reason] == 1 and rnd.aggregate.count == 0
+        c.intake.on_update(rnd, "d1", _update(c, **fields), time.time())
+    assert c.intake.rejections[reason] == 1 and rnd.aggregate.count == 0
     assert any(detail in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert all(np.array_equal(before[k], c.weights[k]) for k in before)
-    c._on_update(rnd, "d2", _update(c, "d2"), time.time())
+    c.intake.on_update(rnd, "d2", _update(c, "d2"), time.time())
     assert rnd.aggregate.count == 1
 
 
@@ -186,16 +188,16 @@ def test_served_average_is_an_ema_of_global_models_and_survives_a_checkpoint(tmp
 
 
 def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
     from models import datasets
 
     test = datasets.load("digits").test
-    first = Coordinator("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))
+    first = Engine("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))
     weights = {k: v + 1 for k, v in first.weights.items()}
     served = {k: v + 0.5 for k, v in first.weights.items()}
     first.store.save_checkpoint(Checkpoint(3, 3, "digits_mlp", weights, model_sha256(weights), {}, {}, served))
-    again = Coordinator("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))
+    again = Engine("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))
     assert again.next_round == 4
     assert all(np.array_equal(again.served.weights[k], served[k]) for k in served)
     with pytest.raises(ValueError, match="serve_average"):
@@ -203,13 +205,13 @@ def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
 
 
 def test_the_default_codec_is_resolved_for_the_model_and_a_named_one_is_kept():
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import codec
 
     assert RoundSettings().codec == codec.AUTO
-    assert Coordinator("u", "digits_mlp", None, RoundSettings()).settings.codec == codec.DENSE  # 4,810 parameters
-    assert Coordinator("u", "mnist_cnn", None, RoundSettings()).settings.codec == codec.DEFAULT  # 80,202
-    assert Coordinator("u", "digits_mlp", None, RoundSettings(codec="topk0.1+q8")).settings.codec == "topk0.1+q8"
+    assert Engine("u", "digits_mlp", None, RoundSettings()).settings.codec == codec.DENSE  # 4,810 parameters
+    assert Engine("u", "mnist_cnn", None, RoundSettings()).settings.codec == codec.DEFAULT  # 80,202
+    assert Engine("u", "digits_mlp", None, RoundSettings(codec="topk0.1+q8")).settings.codec == "topk0.1+q8"
 
 
 def _update_for(c, device, round_no=1, attempt=1, metrics=None, num_samples=10):
@@ -226,25 +228,25 @@ def _update_for(c, device, round_no=1, attempt=1, metrics=None, num_samples=10):
 
 def test_an_update_accepted_in_an_abandoned_attempt_may_answer_the_next_attempt(tmp_path):
     c, first = _coordinator_and_round(tmp_path)
-    c._on_update(first, "d1", _update_for(c, "d1", attempt=1), time.time())
+    c.intake.on_update(first, "d1", _update_for(c, "d1", attempt=1), time.time())
     assert first.aggregate.count == 1
     second = Round(1, 2, {"d1", "d2"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound))
     first.reason = "no quorum"
-    c._abandoned(first)  # what run_round does with an abandoned attempt: nothing it accepted was folded
+    c.intake.abandoned(first)  # what run_round does with an abandoned attempt: nothing it accepted was folded
     assert c.verdicts.of(("d1", 1, 1)).kind == "left_out"
     # the old attempt's answer again: answered with its verdict (left out), never folded into the new attempt
-    c._on_update(second, "d1", _update_for(c, "d1", attempt=1), time.time())
-    assert not c.rejections and second.aggregate.count == 0
-    c._on_update(second, "d1", _update_for(c, "d1", attempt=2), time.time())
-    assert second.aggregate.count == 1 and not c.rejections
+    c.intake.on_update(second, "d1", _update_for(c, "d1", attempt=1), time.time())
+    assert not c.intake.rejections and second.aggregate.count == 0
+    c.intake.on_update(second, "d1", _update_for(c, "d1", attempt=2), time.time())
+    assert second.aggregate.count == 1 and not c.intake.rejections
 
 
 def test_a_refusal_completes_the_device_and_its_reason_is_kept(tmp_path):
     from edgefl_protocol import messages
     c, rnd = _coordinator_and_round(tmp_path)
     refusal = messages.Refusal("d1", 1, 1, "task_settings", "local_epochs must be a whole number 0-100", "u")
-    c._on_update(rnd, "d1", messages.encode_refusal(refusal, KEY), time.time())
-    c._on_update(rnd, "d2", _update_for(c, "d2"), time.time())
+    c.intake.on_update(rnd, "d1", messages.encode_refusal(refusal, KEY), time.time())
+    c.intake.on_update(rnd, "d2", _update_for(c, "d2"), time.time())
     assert rnd.complete and rnd.refused == {"d1": "task_settings: local_epochs must be a whole number 0-100"}
     assert rnd.aggregate.count == 1
 
@@ -254,21 +256,21 @@ def test_long_string_metrics_and_unexpected_tensors_are_rejected_with_their_reas
 
     from edgefl_protocol import messages
     c, rnd = _coordinator_and_round(tmp_path)
-    c._on_update(rnd, "d1", _update_for(c, "d1", metrics={"steps": 1, "note": "x" * 1_000}), time.time())
-    assert c.rejections["schema"] == 1
+    c.intake.on_update(rnd, "d1", _update_for(c, "d1", metrics={"steps": 1, "note": "x" * 1_000}), time.time())
+    assert c.intake.rejections["schema"] == 1
     tensors = {**{k: np.zeros_like(v) for k, v in c.weights.items()}, "extra.smuggled": np.zeros(3, np.float32)}
     specs = [[k, list(v.shape)] for k, v in tensors.items()]
     body = msgpack.packb([np.ascontiguousarray(v, "<f4").tobytes() for v in tensors.values()])
     data = messages.encode_update(messages.Update("d2", 1, 0, 10, {"steps": 1}, body, "float32", specs, "u"), KEY)
-    c._on_update(rnd, "d2", data, time.time())
-    assert c.rejections["shape"] == 1 and c.rejections["oversized"] == 0 and rnd.aggregate.count == 0
+    c.intake.on_update(rnd, "d2", data, time.time())
+    assert c.intake.rejections["shape"] == 1 and c.intake.rejections["oversized"] == 0 and rnd.aggregate.count == 0
 
 
 def test_only_devices_the_registry_admits_are_selected(tmp_path):
     c, _ = _coordinator_and_round(tmp_path)
-    c.online = {"d1": {}, "d2": {}, "stranger": {}}
-    c.admission = lambda d: None if d in ("d1", "d2") else ("unknown_device", f"{d} is not in the registry")
-    assert sorted(c.eligible()) == ["d1", "d2"]
+    c.presence.online = {"d1": {}, "d2": {}, "stranger": {}}
+    c.intake.presence.admission = lambda d: None if d in ("d1", "d2") else ("unknown_device", f"{d} is not in the registry")
+    assert sorted(c.presence.eligible()) == ["d1", "d2"]
 
 
 def test_an_inflated_sample_count_does_not_buy_the_round(tmp_path):
@@ -276,8 +278,8 @@ def test_an_inflated_sample_count_does_not_buy_the_round(tmp_path):
     c, rnd = _coordinator_and_round(tmp_path, algorithm="fedavg")  # size-weighted, as FedAvg is
     c.sample_weights.known = {"a": 100.0, "b": 100.0, "c": 100.0}
     c.sample_weights.start_round()
-    c._on_update(rnd, "d1", _update_for(c, "d1", num_samples=2**62), time.time())
-    c._on_update(rnd, "d2", _update_for(c, "d2", num_samples=100), time.time())
+    c.intake.on_update(rnd, "d1", _update_for(c, "d1", num_samples=2**62), time.time())
+    c.intake.on_update(rnd, "d2", _update_for(c, "d2", num_samples=100), time.time())
     assert rnd.device_metrics["d1"]["weight"] == 200.0 and rnd.weights_clipped == 1
 
 
@@ -304,15 +306,15 @@ def test_presence_is_written_once_per_drain_tick_and_flushed_on_close(tmp_path):
     c.store.db.set_trace_callback(trace)
     for i in range(50):
         status = messages.Status(f"dev-{i}", "online", {"busy": False})
-        c.inbox.put((topics.status("u", f"dev-{i}"), messages.encode("status", status), time.time(), True))
-    while not c.inbox.empty():
-        c._drain(0.0)
+        c.transport.inbox.put((topics.status("u", f"dev-{i}"), messages.encode("status", status), time.time(), True))
+    while not c.transport.inbox.empty():
+        c.drain(0.0)
     assert not transactions  # buffered while the statuses keep coming
-    c._drain(0.0)  # the inbox is quiet: one transaction
+    c.drain(0.0)  # the inbox is quiet: one transaction
     assert len(transactions) == 1 and len(c.store.devices()) == 50
     offline = messages.Status("dev-3", "offline")
-    c.inbox.put((topics.status("u", "dev-3"), messages.encode("status", offline), time.time(), False))
-    c._drain(0.0)
+    c.transport.inbox.put((topics.status("u", "dev-3"), messages.encode("status", offline), time.time(), False))
+    c.drain(0.0)
     c.store.close()  # shutdown before the next quiet tick
     rows = {d["device"]: d for d in Store(tmp_path).devices()}
     assert rows["dev-3"]["online"] == 0 and rows["dev-3"]["profile"]  # the last state, its profile kept
@@ -332,5 +334,5 @@ def test_an_updates_norm_is_computed_once_with_or_without_a_hard_bound(tmp_path,
     counted = lambda tensors: norms.append(real(tensors)) or norms[-1]  # noqa: E731
     monkeypatch.setattr(intake, "l2_norm", counted)
     monkeypatch.setattr(robust, "l2_norm", counted)
-    c._on_update(rnd, "d1", _update(c), time.time())
+    c.intake.on_update(rnd, "d1", _update(c), time.time())
     assert rnd.aggregate.count == 1 and len(norms) == 1

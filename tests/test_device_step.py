@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 
 from bench.inmemory import InMemoryFederation, host_speed
-from broker_coordinator.engine.coordinator import RoundSettings
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.fleet import PROFILES
 from edge_agent.device_step import Budget, agent_seed, device_step
 from edgefl_protocol import codec, messages, signing

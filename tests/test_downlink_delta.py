@@ -287,15 +287,15 @@ def test_the_broker_keeps_the_newest_model_and_the_last_chain_of_deltas_only(bro
     """Through a real Mosquitto: after five versions with downlink_chain = 2, a device finds retained
     exactly the newest manifest and its chunk, and the two newest deltas; older ones were cleared."""
     from broker_coordinator.access.broker import COORDINATOR_USER
-    from broker_coordinator.engine.coordinator import Coordinator
+    from broker_coordinator.engine.loop import Engine
     from tests.conftest import FEDERATION
-    coordinator = Coordinator(FEDERATION, "digits_mlp", datasets.load("digits").test,
+    coordinator = Engine(FEDERATION, "digits_mlp", datasets.load("digits").test,
                               RoundSettings(downlink="delta", downlink_chain=2))
     coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
     try:
         for version, g in enumerate(walk(dict(coordinator.weights), 5), start=1):
             coordinator.weights, coordinator.version = g, version
-            coordinator._publish_model(time.time() + 30)
+            coordinator.publish_model(time.time() + 30)
         device = mqtt_client("dev-a")
         device.subscribe(f"edgefl/{FEDERATION}/model/#")
         give_up = time.monotonic() + 10  # retained messages arrive in one burst after the SUBACK

@@ -5,7 +5,7 @@ became the default; what the coordinator served is beside it. Units: no broker n
 import numpy as np
 
 from bench.fedsim import Federation, run
-from broker_coordinator.engine.coordinator import RoundSettings
+from broker_coordinator.settings.round_settings import RoundSettings
 from models import datasets
 from models.architectures import build_model, set_weights
 from models.objectives import Objective

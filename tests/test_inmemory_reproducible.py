@@ -5,7 +5,7 @@ device work. Units: no broker needed."""
 import numpy as np
 
 from bench.inmemory import InMemoryFederation
-from broker_coordinator.engine.coordinator import RoundSettings
+from broker_coordinator.settings.round_settings import RoundSettings
 from models import datasets
 
 

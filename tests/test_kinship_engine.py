@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from broker_coordinator.aggregation.consensus import KIN_MIN_ROUNDS
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.simulation.in_memory import fold_round
 from edgefl_protocol import codec, messages, signing
@@ -58,22 +59,22 @@ class Fleet:
 
 
 def test_the_coordinator_flags_accomplices_from_their_third_round_and_keeps_them_through_a_checkpoint(digits):
-    coordinator = Coordinator(FED, ARCH, digits.test, SETTINGS, device_keys={})
+    coordinator = Engine(FED, ARCH, digits.test, SETTINGS, device_keys={})
     fleet = Fleet(coordinator.specs)
-    coordinator.device_keys = dict(fleet.keys)
+    coordinator.intake.keys = dict(fleet.keys)
     for round_no in range(1, KIN_MIN_ROUNDS + 2):
         record = fold_round(coordinator, fleet.round(round_no, coordinator.version), round_no)
         kin = {d for d, m in record.devices.items() if "kin" in m}
         assert kin == (set() if round_no < KIN_MIN_ROUNDS else set(ACCOMPLICES)), round_no
         assert record.clipped.get("kin", 0) == len(kin)
     assert coordinator.consensus.of("k0") < 1 and coordinator.consensus.of("h0") == 1.0
-    restored = Coordinator(FED, ARCH, digits.test, SETTINGS, device_keys=dict(fleet.keys))
+    restored = Engine(FED, ARCH, digits.test, SETTINGS, device_keys=dict(fleet.keys))
     restored.consensus.load_state(coordinator.consensus.state())
     assert set(restored.consensus.paths) == set(HONEST + ACCOMPLICES)
 
 
 def test_a_site_flags_the_accomplices_among_its_own_devices(digits):
-    fleet = Fleet(Coordinator(FED, ARCH, digits.test, SETTINGS).specs)
+    fleet = Fleet(Engine(FED, ARCH, digits.test, SETTINGS).specs)
     site_key = signing.new_key()
     worker = SiteWorker(FED, "north", ARCH, site_key, dict(fleet.keys))
     center = {n: np.zeros(s, np.float32) for n, s in fleet.specs.items()}
@@ -82,9 +83,9 @@ def test_a_site_flags_the_accomplices_among_its_own_devices(digits):
                              "float32", 1)
         site_task = SiteTask(round_no, 1, 0, messages.encode("task", task), site_rules(SETTINGS),
                              *encode_center(center))
-        rnd = worker._open(site_task, task, set(fleet.keys))
+        rnd = worker.open(site_task, task, set(fleet.keys))
         for device, payload in fleet.round(round_no).items():
-            worker._on_update(rnd, device, payload, time.time())
+            worker.intake.on_update(rnd, device, payload, time.time())
         partial = worker.partial(rnd)
         assert worker.consensus.kinship == SETTINGS.kinship
     assert partial.clipped.get("kin") == len(ACCOMPLICES)
@@ -110,45 +111,45 @@ def _flipped_round(specs: dict, keys: dict, round_no: int, version: int, own_tas
 
 @pytest.mark.parametrize("where", ["site", "buffered"])
 def test_verdict_banks_hold_back_a_flagged_update_in_its_own_round_at_a_site_and_buffered(digits, where):
-    from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
+    from broker_coordinator.engine.buffered import Ticket
     from broker_coordinator.engine.rounds import RoundState
 
     settings = RoundSettings(**{**SETTINGS.__dict__, "kinship": 0.0, "verdict_banks": 8})
-    specs = Coordinator(FED, ARCH, digits.test, settings).specs
+    specs = Engine(FED, ARCH, digits.test, settings).specs
     keys = {d: signing.new_key() for d in HONEST + ["k0"]}
     if where == "site":
         worker = SiteWorker(FED, "north", ARCH, signing.new_key(), keys)
         task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
         center = {n: np.zeros(s, np.float32) for n, s in specs.items()}
-        rnd = worker._open(SiteTask(1, 1, 0, messages.encode("task", task), site_rules(settings),
+        rnd = worker.open(SiteTask(1, 1, 0, messages.encode("task", task), site_rules(settings),
                                     *encode_center(center)), task, set(keys))
         for device, payload in _flipped_round(specs, keys, 1, 0).items():
-            worker._on_update(rnd, device, payload, time.time())
+            worker.intake.on_update(rnd, device, payload, time.time())
         clipped, held_back = worker.partial(rnd).clipped, rnd.aggregate.report().held_back
     else:
         buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(keys),
                                     "max_staleness": 2})
-        c = BufferedCoordinator(FED, ARCH, digits.test, buffered, device_keys=keys)
-        buffer = c._open_buffer(1)
+        c = Engine(FED, ARCH, digits.test, buffered, device_keys=keys)
+        buffer = c.schedule.open_buffer(c, 1)
         for attempt, (device, payload) in enumerate(_flipped_round(specs, keys, 1, 0, own_tasks=True).items(), start=1):
-            c.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
-            c.working[device] = (1, attempt)
+            c.schedule.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
+            c.schedule.working[device] = (1, attempt)
             buffer.cohort.add(device)
-            c._on_update(buffer, device, payload, time.time())
-        c._set_state(buffer, RoundState.CLOSED)
-        record = c._conclude(buffer, "")
+            c.intake.on_update(buffer, device, payload, time.time())
+        c.set_state(buffer, RoundState.CLOSED)
+        record = c.conclude(buffer, "")
         clipped, held_back = record.clipped, buffer.aggregate.report().held_back
     assert "k0" in held_back and clipped.get("held_back") == len(held_back) < len(keys)
 
 
 def test_the_agreement_floor_reaches_the_coordinator_and_a_site_s_consensus(digits):
     settings = RoundSettings(**{**SETTINGS.__dict__, "kinship": 0.0, "agreement_floor": 0.05})
-    coordinator = Coordinator(FED, ARCH, digits.test, settings)
+    coordinator = Engine(FED, ARCH, digits.test, settings)
     assert coordinator.consensus.floor == 0.05
     fleet = Fleet(coordinator.specs)
     worker = SiteWorker(FED, "north", ARCH, signing.new_key(), dict(fleet.keys))
     task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
     center = {n: np.zeros(s, np.float32) for n, s in fleet.specs.items()}
-    worker._open(SiteTask(1, 1, 0, messages.encode("task", task), site_rules(settings), *encode_center(center)),
+    worker.open(SiteTask(1, 1, 0, messages.encode("task", task), site_rules(settings), *encode_center(center)),
                  task, set(fleet.keys))
     assert worker.consensus.floor == 0.05

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
-from broker_coordinator.engine.buffered_tree import BufferedTreeCoordinator
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.buffered import Ticket
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.engine.site_aggregator import SiteWorker
-from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
+from broker_coordinator.engine.tree import SiteSpec
 from broker_coordinator.settings import composition
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from edgefl_protocol import codec, messages, signing
@@ -48,7 +48,7 @@ def _signed(device: str, key: bytes, tensors: dict, attempt: int, metrics: dict)
     return messages.encode_update(update, key)
 
 
-def _with_centre(coordinator: Coordinator, center: dict) -> Coordinator:
+def _with_centre(coordinator: Engine, center: dict) -> Engine:
     coordinator.center = {n: a.copy() for n, a in center.items()}
     coordinator.radius.load_state(RADIUS_HISTORY)
     return coordinator
@@ -73,7 +73,7 @@ def _same_everywhere(digits, algorithm: str, hparams: dict, sign_quorum: float =
     devices = [f"{site}-{i}" for site, n in SITES.items() for i in range(n)]
     keys = {d: signing.new_key() for d in devices}
     site_keys = {s: signing.new_key() for s in SITES}
-    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+    flat = Engine(FED, ARCH, digits.test, settings, device_keys=keys)
     rng = np.random.default_rng(5)
     center = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in flat.specs.items()}
     _with_centre(flat, center)
@@ -85,7 +85,7 @@ def _same_everywhere(digits, algorithm: str, hparams: dict, sign_quorum: float =
     if sign_quorum:
         assert 0.1 < flat_record.unvoted < 0.9, "the votes held no coordinate (or all): the comparison would be empty"
     assert flat_record.clipped.get("center", 0) >= 2, "no update was far enough to be clipped"
-    assert any(not np.allclose(flat.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
+    assert any(not np.allclose(flat.weights[n], Engine(FED, ARCH, digits.test, settings).weights[n])
                for n in flat.weights), "the round changed nothing: the comparison would be empty"
     models = {"sites": _in_sites(digits, settings, keys, site_keys, center, tensors, metrics)}
     buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(devices),
@@ -100,9 +100,9 @@ def _same_everywhere(digits, algorithm: str, hparams: dict, sign_quorum: float =
         assert coordinator.server_rule.broadcast() == pytest.approx(flat.server_rule.broadcast()), where
 
 
-def _in_sites(digits, settings, keys, site_keys, center, tensors, metrics) -> TreeCoordinator:
+def _in_sites(digits, settings, keys, site_keys, center, tensors, metrics) -> Engine:
     """Each site's devices folded by its worker; the partials through the (sync or buffered) centre."""
-    kind = BufferedTreeCoordinator if settings.mode == "buffered" else TreeCoordinator
+    kind = Engine if settings.mode == "buffered" else Engine
     tree = _with_centre(kind(FED, ARCH, digits.test, settings, device_keys={},
                              sites={site: SiteSpec(1, site_keys[site]) for site in SITES}), center)
     partials = []
@@ -116,37 +116,37 @@ def _in_sites(digits, settings, keys, site_keys, center, tensors, metrics) -> Tr
                              *encode_center(center))
         mine = [d for d in tensors if d.startswith(site)]
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
-        worker._open(site_task, task, set())  # learns the rules; then the same radius history as the centre
+        worker.open(site_task, task, set())  # learns the rules; then the same radius history as the centre
         worker.radius.load_state(RADIUS_HISTORY)
-        rnd = worker._open(site_task, task, set(mine))
+        rnd = worker.open(site_task, task, set(mine))
         for device in mine:
-            worker._on_update(rnd, device, _signed(device, keys[device], tensors[device], attempt,
+            worker.intake.on_update(rnd, device, _signed(device, keys[device], tensors[device], attempt,
                                                    metrics[device]), time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
     if settings.mode != "buffered":
         fold_partials(tree, SITES, partials)
         return tree
-    buffer = tree._open_buffer(1)
+    buffer = tree.schedule.open_buffer(tree, 1)
     for attempt, (site, payload) in enumerate(partials, start=1):
-        tree.tickets[(1, attempt)] = Ticket(site, 0, time.time() + 60)
-        tree.working[site] = (1, attempt)
-        tree._on_partial(buffer, site, payload)
-    assert buffer.aggregate.count == len(tensors) and not tree.rejections and not tree.working
-    tree._set_state(buffer, RoundState.CLOSED)
-    tree._conclude(buffer, "")
+        tree.schedule.tickets[(1, attempt)] = Ticket(site, 0, time.time() + 60)
+        tree.schedule.working[site] = (1, attempt)
+        tree.topology.on_partial(tree, buffer, site, payload)
+    assert buffer.aggregate.count == len(tensors) and not tree.intake.rejections and not tree.schedule.working
+    tree.set_state(buffer, RoundState.CLOSED)
+    tree.conclude(buffer, "")
     return tree
 
 
-def _buffered(digits, buffered, keys, center, tensors, metrics) -> BufferedCoordinator:
-    c = _with_centre(BufferedCoordinator(FED, ARCH, digits.test, buffered, device_keys=keys), center)
-    buffer = c._open_buffer(1)
+def _buffered(digits, buffered, keys, center, tensors, metrics) -> Engine:
+    c = _with_centre(Engine(FED, ARCH, digits.test, buffered, device_keys=keys), center)
+    buffer = c.schedule.open_buffer(c, 1)
     for attempt, device in enumerate(tensors, start=1):  # each device its own task, all from version 0
-        c.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
-        c.working[device] = (1, attempt)
+        c.schedule.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
+        c.schedule.working[device] = (1, attempt)
         buffer.cohort.add(device)
-        c._on_update(buffer, device, _signed(device, keys[device], tensors[device], attempt, metrics[device]),
+        c.intake.on_update(buffer, device, _signed(device, keys[device], tensors[device], attempt, metrics[device]),
                      time.time())
-    assert buffer.aggregate.count == len(tensors) and not c.rejections
-    c._set_state(buffer, RoundState.CLOSED)
-    c._conclude(buffer, "")
+    assert buffer.aggregate.count == len(tensors) and not c.intake.rejections
+    c.set_state(buffer, RoundState.CLOSED)
+    c.conclude(buffer, "")
     return c

@@ -143,12 +143,13 @@ def test_evaluation_reports_are_signed_and_checked():
 
 
 def _coordinator(tmp_path, objective=Objective(), test=True, **settings):
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Store
     from models import datasets
 
     test_set = datasets.load("digits").test if test else None
-    return Coordinator("u", "digits_mlp", test_set, RoundSettings(codec="float32", **settings), store=Store(tmp_path),
+    return Engine("u", "digits_mlp", test_set, RoundSettings(codec="float32", **settings), store=Store(tmp_path),
                        device_keys={d: KEY for d in ("d1", "d2", "d3")}, objective=objective)
 
 
@@ -181,25 +182,25 @@ def test_without_a_test_set_the_round_records_the_devices_sample_weighted_score(
 def test_an_evaluation_only_round_keeps_the_model_and_takes_reports_not_updates(tmp_path):
     c = _coordinator(tmp_path, objective=Objective.of("classification"), eval_only_every=2)
     rnd = Round(2, 1, {"d1", "d2", "d3"}, time.time() + 60, 0, RobustRound(c.specs, c.norm_bound), train=False)
-    c._on_update(rnd, "d1", messages.encode_report(messages.EvalReport("d1", 2, 1, 0, "accuracy", 0.9, 0.3, 20, "u"),
+    c.intake.on_update(rnd, "d1", messages.encode_report(messages.EvalReport("d1", 2, 1, 0, "accuracy", 0.9, 0.3, 20, "u"),
                                                    KEY), time.time())
-    c._on_update(rnd, "d2", _update(c, "d2", {}, round_no=2), time.time())  # an update is not what was asked
-    c._on_update(rnd, "d3", messages.encode_report(messages.EvalReport("d3", 2, 1, 0, "mse", 0.9, 0.3, 20, "u"),
+    c.intake.on_update(rnd, "d2", _update(c, "d2", {}, round_no=2), time.time())  # an update is not what was asked
+    c.intake.on_update(rnd, "d3", messages.encode_report(messages.EvalReport("d3", 2, 1, 0, "mse", 0.9, 0.3, 20, "u"),
                                                    KEY), time.time())  # the wrong metric
-    assert rnd.evaluations == {"d1": (0.9, 0.3, 20)} and c.rejections["schema"] == 2
+    assert rnd.evaluations == {"d1": (0.9, 0.3, 20)} and c.intake.rejections["schema"] == 2
     assert c.settings.evaluation_only(2) and not c.settings.evaluation_only(3)
     weights = {k: v.copy() for k, v in c.weights.items()}
     from broker_coordinator.engine.rounds import RoundState
     rnd.move(RoundState.COLLECTING)
     rnd.move(RoundState.CLOSED)
-    record = c._conclude(rnd, "base")
+    record = c.conclude(rnd, "base")
     assert record.kind == "evaluate" and record.closed == "evaluated" and c.version == 0
     assert all(np.array_equal(weights[k], c.weights[k]) for k in weights)
     assert record.federated["score"] == pytest.approx(0.9) and record.participants == 1
 
 
 def test_central_evaluation_without_a_test_set_is_a_config_error(tmp_path):
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     with pytest.raises(ValueError, match="needs a test set"):
         RoundSettings(evaluate="central").evaluation(False)
     with pytest.raises(ValueError, match="evaluate must be one of"):
@@ -227,7 +228,8 @@ def test_devices_whose_installed_model_differs_refuse_with_one_line(tmp_path, mo
     """Through real agent processes and a real broker: the coordinator's package builds a 32-wide
     model; the devices have another version of it (or none). Each refuses with one log line and
     the coordinator records why; nothing crashes and no round is aggregated."""
-    from broker_coordinator.engine.coordinator import RoundFailed, RoundSettings
+    from broker_coordinator.engine.rounds import RoundFailed
+    from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.simulation.simulate import SimulationSpec, simulate
     from broker_coordinator.storage.store import Store
 

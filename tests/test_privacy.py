@@ -11,7 +11,7 @@ pytest.importorskip("dp_accounting")
 
 from broker_coordinator.aggregation.accountant import Accountant, Ledger, Sampling  # noqa: E402
 from broker_coordinator.aggregation.privacy import PrivateRound, update_noise  # noqa: E402
-from broker_coordinator.engine.coordinator import Coordinator  # noqa: E402
+from broker_coordinator.engine.loop import Engine  # noqa: E402
 from broker_coordinator.engine.private_rounds import BudgetSpent  # noqa: E402
 from broker_coordinator.settings.config import load_config  # noqa: E402
 from broker_coordinator.settings.privacy_settings import PrivacySettings  # noqa: E402
@@ -105,7 +105,7 @@ def _settings(**privacy):
 
 def _coordinator(settings, store=None):
     keys = {f"d{i:02d}": signing.new_key() for i in range(40)}
-    return Coordinator("t", "logreg60", None, settings, device_keys=keys, store=store), keys
+    return Engine("t", "logreg60", None, settings, device_keys=keys, store=store), keys
 
 
 def _round(coordinator, keys, round_no, rng):

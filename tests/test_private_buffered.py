@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("dp_accounting")
 
 from broker_coordinator.aggregation.accountant import Accountant, Sampling  # noqa: E402
-from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket  # noqa: E402
-from broker_coordinator.engine.coordinator import RoundSettings  # noqa: E402
+from broker_coordinator.engine.buffered import Ticket  # noqa: E402
+from broker_coordinator.engine.loop import Engine  # noqa: E402
+from broker_coordinator.settings.round_settings import RoundSettings  # noqa: E402
 from broker_coordinator.engine.rounds import RoundState  # noqa: E402
 from broker_coordinator.settings.privacy_settings import PrivacySettings  # noqa: E402
 from edgefl_protocol import messages  # noqa: E402
@@ -44,8 +45,8 @@ def _coordinator(**privacy):
     s = RoundSettings(algorithm="fedavg", codec="float32", mode="buffered", aggregator="mean", buffer_size=3,
                       max_staleness=2, privacy=PrivacySettings(mode="central", noise_multiplier=Z, delta=DELTA,
                                                                clip=1.0, population=len(DEVICES), **privacy))
-    c = BufferedCoordinator("u", "digits_mlp", datasets.load("digits").test, s, device_keys={d: KEY for d in DEVICES})
-    return c, c._open_buffer(1)
+    c = Engine("u", "digits_mlp", datasets.load("digits").test, s, device_keys={d: KEY for d in DEVICES})
+    return c, c.schedule.open_buffer(c, 1)
 
 
 def _answer(c, device, attempt, value):
@@ -57,29 +58,29 @@ def _answer(c, device, attempt, value):
 
 
 def _task(c, device, attempt):
-    c.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
-    c.working[device] = (1, attempt)
+    c.schedule.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)
+    c.schedule.working[device] = (1, attempt)
 
 
 def test_a_buffered_version_is_one_release_at_rate_1_over_k_and_a_device_lands_once():
     c, buffer = _coordinator()
     assert c.privacy.cohort_size == 3 and c.privacy.sampling.rate == 1.0
     _task(c, "d0", 1)
-    c._on_update(buffer, "d0", _answer(c, "d0", 1, 0.01), time.time())
-    c.session, c._presence_settled = FakeSession(), True
-    c.online = {d: {} for d in DEVICES}
-    c._dispatch(buffer)
-    assert "d0" not in c.session.tasked and set(c.session.tasked) == set(DEVICES[1:]), \
+    c.intake.on_update(buffer, "d0", _answer(c, "d0", 1, 0.01), time.time())
+    c.transport, c.presence_settled = FakeSession(), True
+    c.presence.online = {d: {} for d in DEVICES}
+    c.topology.dispatch(c, c.schedule, buffer)
+    assert "d0" not in c.transport.tasked and set(c.transport.tasked) == set(DEVICES[1:]), \
         "a device with an update in the buffer gets no second task"
     _task(c, "d0", 99)  # had it been tasked anyway: its second update is refused, not folded
-    c._on_update(buffer, "d0", _answer(c, "d0", 99, 0.01), time.time())
-    assert c.rejections == {"duplicate": 1} and buffer.aggregate.count == 1
+    c.intake.on_update(buffer, "d0", _answer(c, "d0", 99, 0.01), time.time())
+    assert c.intake.rejections == {"duplicate": 1} and buffer.aggregate.count == 1
     for attempt, device in ((2, "d1"), (3, "d2")):
         _task(c, device, attempt)
-        c._on_update(buffer, device, _answer(c, device, attempt, 0.01), time.time())
+        c.intake.on_update(buffer, device, _answer(c, device, attempt, 0.01), time.time())
     assert buffer.aggregate.count == 3
-    c._set_state(buffer, RoundState.CLOSED)
-    record = c._conclude(buffer, "")
+    c.set_state(buffer, RoundState.CLOSED)
+    record = c.conclude(buffer, "")
     expected = Accountant("rdp").epsilon([(Sampling("poisson", len(DEVICES), len(DEVICES)), Z, 1)], DELTA)
     assert record.privacy["epsilon"] == pytest.approx(expected, rel=1e-6) and record.privacy["cohort"] == 3
     assert record.privacy["noise_std"] == pytest.approx(c.privacy.z_delta * 1.0 / 3)

@@ -18,9 +18,10 @@ pytest.importorskip("dp_accounting")
 
 from broker_coordinator.aggregation import privacy, private_partials  # noqa: E402
 from broker_coordinator.aggregation.privacy import PrivateRound  # noqa: E402
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings  # noqa: E402
+from broker_coordinator.engine.loop import Engine  # noqa: E402
+from broker_coordinator.settings.round_settings import RoundSettings  # noqa: E402
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules  # noqa: E402
-from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator  # noqa: E402
+from broker_coordinator.engine.tree import SiteSpec  # noqa: E402
 from broker_coordinator.settings import composition  # noqa: E402
 from broker_coordinator.settings.privacy_settings import PrivacySettings  # noqa: E402
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round  # noqa: E402
@@ -54,8 +55,8 @@ def _settings(**values):
 def _pair(digits, settings_of):
     keys = {d: signing.new_key() for d in WHERE}
     site_keys = {s: signing.new_key() for s in set(WHERE.values())}
-    flat = Coordinator(FED, ARCH, digits.test, settings_of(), device_keys=keys)
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings_of(), device_keys={},
+    flat = Engine(FED, ARCH, digits.test, settings_of(), device_keys=keys)
+    tree = Engine(FED, ARCH, digits.test, settings_of(), device_keys={},
                            sites={s: SiteSpec(2 if s == "north" else 1, k) for s, k in site_keys.items()})
     return flat, tree, keys, site_keys
 
@@ -68,10 +69,10 @@ def _site_partials(tree, keys, site_keys, task, payloads, rules):
     partials = []
     for (site, index), devices in workers.items():
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys, worker=index)
-        rnd = worker._open(site_task, task, {d for d, s in WHERE.items() if s == site})
+        rnd = worker.open(site_task, task, {d for d, s in WHERE.items() if s == site})
         assert isinstance(rnd.aggregate, PrivateRound) and rnd.aggregate.z_delta == 0.0
         for device in devices:
-            worker._on_update(rnd, device, payloads[device], time.time())
+            worker.intake.on_update(rnd, device, payloads[device], time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
     return partials
 
@@ -147,29 +148,29 @@ def test_the_leader_draws_poisson_with_the_csprng_not_its_seeded_generator(monke
     cohorts = []
     for _ in range(2):  # two leaders with the same seed (the coordinator's): different draws
         worker = SiteWorker(FED, "north", ARCH, signing.new_key(), {}, worker=0, seed=0)
-        worker.session = Session()
-        worker.online = {f"north-{i:03d}": {} for i in range(200)}
+        worker.transport = Session()
+        worker.presence.online = {f"north-{i:03d}": {} for i in range(200)}
         seeded = worker.rng.getstate()
         worker._on_site_task(payload)
         assert worker.rng.getstate() == seeded, "the seeded generator must not draw a private cohort"
-        cohorts.append(set(worker.pending_round))
+        cohorts.append(set(worker.presence.pending_round))
     assert len(draws) == 400  # one CSPRNG draw per eligible device, the quota (3) ignored
     broken = encode_site_task(SiteTask(2, 1, 3, messages.encode("task", task), {"privacy": {"clip": -1.0}}))
-    worker.pending_round.clear()
+    worker.presence.pending_round.clear()
     worker._on_site_task(broken)  # a private round is drawn and folded privately, or not at all
-    assert worker.pending_round == {}
+    assert worker.presence.pending_round == {}
     assert cohorts[0] != cohorts[1] and all(60 < len(c) < 140 for c in cohorts)
 
 
 def test_fixed_sampling_in_sites_draws_the_quota_and_accounts_the_worst_site(digits):
-    tree = TreeCoordinator(FED, ARCH, digits.test, _settings(sampling="fixed"), device_keys={},
+    tree = Engine(FED, ARCH, digits.test, _settings(sampling="fixed"), device_keys={},
                            sites={"north": SiteSpec(1, b"k" * 32), "south": SiteSpec(1, b"k" * 32)})
     share = tree.privacy.site_shares({"north": 6, "south": 3}, {"north": 30, "south": 10})
     assert share == {"north": 6, "south": 3}
     assert (tree.privacy.sampling.population, tree.privacy.sampling.cohort) == (10, 3)  # 3/10 > 6/30
     site = private_partials.SitePrivacy(0.5, "fixed", 9 / 40)
     assert len(site.draw([f"d{i}" for i in range(10)], 3)) == 3
-    poisson = TreeCoordinator(FED, ARCH, digits.test, _settings(), device_keys={},
+    poisson = Engine(FED, ARCH, digits.test, _settings(), device_keys={},
                               sites={"north": SiteSpec(1, b"k" * 32), "south": SiteSpec(1, b"k" * 32)})
     assert poisson.privacy.site_shares({"north": 9}, {"north": 30, "south": 1}) == {"north": 30, "south": 1}
 
@@ -182,9 +183,9 @@ def test_forged_private_partials_are_rejected(digits):
     rules = {**site_rules(tree.settings), **tree.privacy.site_privacy().rules()}
     site_task = SiteTask(1, 1, 0, messages.encode("task", task), rules)
     worker = SiteWorker(FED, "south", ARCH, site_keys["south"], keys)
-    rnd = worker._open(site_task, task, {d for d, s in WHERE.items() if s == "south"})
+    rnd = worker.open(site_task, task, {d for d, s in WHERE.items() if s == "south"})
     for device in ("south-0", "south-1"):
-        worker._on_update(rnd, device, payloads[device], time.time())
+        worker.intake.on_update(rnd, device, payloads[device], time.time())
     honest = worker.partial(rnd)
     decode = lambda p: decode_partial(encode_partial(p, site_keys["south"]), site_keys["south"], "south",  # noqa: E731
                                       tree.specs, {}, 1 << 24)

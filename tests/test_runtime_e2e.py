@@ -15,7 +15,8 @@ import pytest
 
 from broker_coordinator.access.broker import COORDINATOR_USER, free_port
 from broker_coordinator.simulation.private_broker import PrivateBroker
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing, topics
@@ -38,8 +39,8 @@ def fleet_broker(tmp_path):
         yield broker
 
 
-def make_coordinator(broker, fleet, tmp_path, on_state=None, **settings) -> Coordinator:
-    coordinator = Coordinator(FED, "digits_mlp", fleet.test, RoundSettings(local_epochs=1, **settings),
+def make_coordinator(broker, fleet, tmp_path, on_state=None, **settings) -> Engine:
+    coordinator = Engine(FED, "digits_mlp", fleet.test, RoundSettings(local_epochs=1, **settings),
                               store=Store(tmp_path / "coordinator"), on_state=on_state, device_keys=fleet.keys)
     coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
     return coordinator
@@ -80,9 +81,9 @@ def test_killed_agent_round_closes_at_deadline_and_offline_device_is_not_selecte
         late.loop_stop()
         with caplog.at_level(logging.WARNING, logger="broker_coordinator"):
             give_up = time.monotonic() + 10
-            while coordinator.rejections["late"] == 0 and time.monotonic() < give_up:
-                coordinator._drain(0.2)
-        assert coordinator.rejections["late"] == 1
+            while coordinator.intake.rejections["late"] == 0 and time.monotonic() < give_up:
+                coordinator.drain(0.2)
+        assert coordinator.intake.rejections["late"] == 1
         assert "update from dev-0 rejected: late: round 2 closed at" in caplog.text
     finally:
         coordinator.close()
@@ -105,9 +106,9 @@ def test_broker_restart_mid_round_and_training_continues(fleet_broker, tmp_path)
         records = [coordinator.run_round(r) for r in (1, 2, 3, 4)]
         assert [r.closed != "abandoned" for r in records] == [True] * 4
         assert coordinator.version == 4
-        assert coordinator.session.reconnects >= 1
+        assert coordinator.transport.session.reconnects >= 1
         logs = {d: path.read_text()[-1500:] for d, path in fleet.logs.items()}
-        assert records[-1].participants == 2, (coordinator.online, coordinator.pending_until, logs)  # both came back
+        assert records[-1].participants == 2, (coordinator.presence.online, coordinator.presence.pending_until, logs)  # both came back
     finally:
         coordinator.close()
         fleet.stop()
@@ -175,9 +176,9 @@ def test_agent_sigterm_and_status_command(fleet_broker, tmp_path):
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
         give_up = time.monotonic() + 10
-        while "dev-0" in coordinator.online and time.monotonic() < give_up:
-            coordinator._drain(0.2)
-        assert "dev-0" not in coordinator.online
+        while "dev-0" in coordinator.presence.online and time.monotonic() < give_up:
+            coordinator.drain(0.2)
+        assert "dev-0" not in coordinator.presence.online
         assert (tmp_path / "dev-0" / "state" / "state.msgpack").exists()
     finally:
         coordinator.close()

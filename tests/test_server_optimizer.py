@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from broker_coordinator.aggregation.server_optimizer import ServerOptimizer
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.engine.site_aggregator import SiteWorker
-from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator
+from broker_coordinator.engine.tree import SiteSpec
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing
@@ -121,7 +122,7 @@ def digits():
     return datasets.load("digits")
 
 
-def _payloads(c: Coordinator, values: dict[str, float], round_no: int, keys: dict[str, bytes]) -> dict[str, bytes]:
+def _payloads(c: Engine, values: dict[str, float], round_no: int, keys: dict[str, bytes]) -> dict[str, bytes]:
     """Each device's delta: every coordinate `value` (float32, 10 samples each)."""
     task = messages.Task(round_no, c.version, time.time() + 60, c.settings.algorithm,
                          c.settings.task_hparams(round_no), {}, "float32", 1)
@@ -138,7 +139,7 @@ KEYS = {d: signing.new_key() for d in ("a", "b", "c")}
 
 
 def test_the_engine_applies_it_after_the_server_rule_each_round(digits):
-    c = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", server_lr=0.5, **SIMPLE),
+    c = Engine(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", server_lr=0.5, **SIMPLE),
                     device_keys=KEYS)
     x0 = {n: a.copy() for n, a in c.weights.items()}
     fold_round(c, _payloads(c, {"a": 0.01, "b": 0.03}, 1, KEYS), 1)  # mean step 0.02: m = 0.02
@@ -150,12 +151,12 @@ def test_the_engine_applies_it_after_the_server_rule_each_round(digits):
 
 def test_checkpoint_resume_keeps_the_moments(tmp_path, digits):
     settings = RoundSettings(server_optimizer="adam", server_lr=0.05, **SIMPLE)
-    through = Coordinator(FED, ARCH, digits.test, settings, device_keys=KEYS)
-    first = Coordinator(FED, ARCH, digits.test, settings, device_keys=KEYS, store=Store(tmp_path))
+    through = Engine(FED, ARCH, digits.test, settings, device_keys=KEYS)
+    first = Engine(FED, ARCH, digits.test, settings, device_keys=KEYS, store=Store(tmp_path))
     for c in (through, first):
         fold_round(c, _payloads(c, {"a": 0.02, "b": -0.01}, 1, KEYS), 1)
     first.close()
-    resumed = Coordinator(FED, ARCH, digits.test, settings, device_keys=KEYS, store=Store(tmp_path))
+    resumed = Engine(FED, ARCH, digits.test, settings, device_keys=KEYS, store=Store(tmp_path))
     assert resumed.server_optimizer.steps == 1
     for key in ("m", "v"):
         mine, theirs = getattr(resumed.server_optimizer, key), getattr(through.server_optimizer, key)
@@ -168,12 +169,12 @@ def test_checkpoint_resume_keeps_the_moments(tmp_path, digits):
 
 
 def test_a_checkpoint_of_another_optimizer_starts_fresh_and_says_so(tmp_path, digits, caplog):
-    c = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="yogi", **SIMPLE), device_keys=KEYS,
+    c = Engine(FED, ARCH, digits.test, RoundSettings(server_optimizer="yogi", **SIMPLE), device_keys=KEYS,
                     store=Store(tmp_path))
     fold_round(c, _payloads(c, {"a": 0.02}, 1, KEYS), 1)
     c.close()
     with caplog.at_level("WARNING"):
-        other = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="adam", **SIMPLE),
+        other = Engine(FED, ARCH, digits.test, RoundSettings(server_optimizer="adam", **SIMPLE),
                             device_keys=KEYS, store=Store(tmp_path))
     assert "server optimizer was yogi; adam (server_lr 0.01, beta1 0.9, beta2 0.99, tau 0.001) starts with zero " \
            "moments" in caplog.text
@@ -182,14 +183,14 @@ def test_a_checkpoint_of_another_optimizer_starts_fresh_and_says_so(tmp_path, di
 
 
 def test_an_evaluation_only_round_takes_no_step(digits):
-    c = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", eval_only_every=2, **SIMPLE),
+    c = Engine(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", eval_only_every=2, **SIMPLE),
                     device_keys=KEYS)
     fold_round(c, _payloads(c, {"a": 0.02}, 1, KEYS), 1)
     assert c.server_optimizer.steps == 1
 
 
 def test_the_delta_downlink_releases_the_optimizers_model(digits):
-    c = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="adam", downlink="delta", **SIMPLE),
+    c = Engine(FED, ARCH, digits.test, RoundSettings(server_optimizer="adam", downlink="delta", **SIMPLE),
                     device_keys=KEYS)
     before = {n: a.copy() for n, a in c.weights.items()}
     fold_round(c, _payloads(c, {"a": 0.02, "b": 0.04}, 1, KEYS), 1)
@@ -205,22 +206,22 @@ def test_the_delta_downlink_releases_the_optimizers_model(digits):
 
 @pytest.mark.parametrize("decay", [1.0, 0.5])
 def test_buffered_applies_it_once_per_version(tmp_path, digits, decay):
-    from broker_coordinator.engine.buffered import BufferedCoordinator, Ticket
+    from broker_coordinator.engine.buffered import Ticket
     from broker_coordinator.storage.store import model_sha256
     settings = RoundSettings(mode="buffered", buffer_size=2, server_optimizer="momentum",
                              server_lr=0.5, server_lr_decay=decay, **SIMPLE)
-    c = BufferedCoordinator(FED, ARCH, digits.test, settings, store=Store(tmp_path), device_keys=KEYS)
+    c = Engine(FED, ARCH, digits.test, settings, store=Store(tmp_path), device_keys=KEYS)
     x0 = {n: a.copy() for n, a in c.weights.items()}
     expected_m = 0.0
     for version, values in enumerate([{"a": 0.02, "b": 0.02}, {"a": 0.01, "c": 0.01}], start=1):
-        buffer = c._open_buffer(version)
+        buffer = c.schedule.open_buffer(c, version)
         for attempt, (device, payload) in enumerate(_payloads(c, values, version, KEYS).items(), start=1):
-            c.tickets[(version, attempt)] = Ticket(device, c.version, time.time() + 60)
-            c.working[device] = (version, attempt)
-            c._on_update(buffer, device, _reattempt(payload, device, attempt), time.time())
+            c.schedule.tickets[(version, attempt)] = Ticket(device, c.version, time.time() + 60)
+            c.schedule.working[device] = (version, attempt)
+            c.intake.on_update(buffer, device, _reattempt(payload, device, attempt), time.time())
         assert buffer.aggregate.count == 2
-        c._set_state(buffer, RoundState.CLOSED)  # what run_round does with a full buffer
-        c._conclude(buffer, model_sha256(c.weights))
+        c.set_state(buffer, RoundState.CLOSED)  # what run_round does with a full buffer
+        c.conclude(buffer, model_sha256(c.weights))
         expected_m = 0.9 * expected_m + sum(values.values()) / 2
         assert c.server_optimizer.steps == version
     for n in x0:
@@ -243,8 +244,8 @@ def test_sites_apply_it_as_the_flat_coordinator_does(digits, server):
     settings = RoundSettings(**server, **SIMPLE)
     keys = {f"{s}-{i}": signing.new_key() for s in ("north", "south") for i in range(2)}
     site_keys = {s: signing.new_key() for s in ("north", "south")}
-    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+    flat = Engine(FED, ARCH, digits.test, settings, device_keys=keys)
+    tree = Engine(FED, ARCH, digits.test, settings, device_keys={},
                            sites={s: SiteSpec(1, k) for s, k in site_keys.items()})
     for round_no in (1, 2):
         payloads = _payloads(flat, {d: 0.01 * (i + round_no) for i, d in enumerate(keys)}, round_no, keys)
@@ -257,15 +258,15 @@ def test_sites_apply_it_as_the_flat_coordinator_does(digits, server):
         for site, key in site_keys.items():
             worker = SiteWorker(FED, site, ARCH, key, keys)
             mine = {d for d in keys if d.startswith(site)}
-            rnd = worker._open(site_task, task, mine)
+            rnd = worker.open(site_task, task, mine)
             for device in sorted(mine):
-                worker._on_update(rnd, device, payloads[device], time.time())
+                worker.intake.on_update(rnd, device, payloads[device], time.time())
             partials.append((site, encode_partial(worker.partial(rnd), key)))
         fold_partials(tree, {"north": 2, "south": 2}, partials, round_no)
     assert tree.server_optimizer.steps == flat.server_optimizer.steps == 2
     for n in flat.weights:
         np.testing.assert_allclose(tree.weights[n], flat.weights[n], rtol=1e-5, atol=1e-6)
-        assert not np.allclose(flat.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
+        assert not np.allclose(flat.weights[n], Engine(FED, ARCH, digits.test, settings).weights[n])
 
 
 # --- with a server rule that carries its own state (FedDyn's H) -----------------------------
@@ -274,8 +275,8 @@ def test_the_optimizer_steps_on_the_mean_delta_and_adds_feddyns_h_outside_its_mo
     """FedDyn's server rule steps by mean delta + H. The optimizer's pseudo-gradient is the mean delta;
     H, itself a running sum of past mean deltas, is added as the rule made it (never momented)."""
     kind = dict(SIMPLE, algorithm="feddyn")
-    plain = Coordinator(FED, ARCH, digits.test, RoundSettings(**kind), device_keys=KEYS)
-    heavy = Coordinator(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", server_lr=0.5, **kind),
+    plain = Engine(FED, ARCH, digits.test, RoundSettings(**kind), device_keys=KEYS)
+    heavy = Engine(FED, ARCH, digits.test, RoundSettings(server_optimizer="momentum", server_lr=0.5, **kind),
                         device_keys=KEYS)
     x0 = {n: a.copy() for n, a in plain.weights.items()}
     answers = [{"a": 0.01, "b": 0.03}, {"a": 0.02, "c": 0.0}]

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from broker_coordinator.access.broker import COORDINATOR_USER
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
-from broker_coordinator.engine.tree import SiteSpec, TreeCoordinator, quotas
+from broker_coordinator.engine.tree import SiteSpec, quotas
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from broker_coordinator.simulation.local_sites import LocalSites
 from broker_coordinator.storage.store import Store
@@ -71,8 +72,8 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
     where = fleet({"north": 4, "south": 3, "east": 2})
     keys = {d: signing.new_key() for d in where}
     site_keys = {s: signing.new_key() for s in set(where.values())}
-    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+    flat = Engine(FED, ARCH, digits.test, settings, device_keys=keys)
+    tree = Engine(FED, ARCH, digits.test, settings, device_keys={},
                            sites={"north": SiteSpec(2, site_keys["north"]), "south": SiteSpec(1, site_keys["south"]),
                                   "east": SiteSpec(1, site_keys["east"])})
     specs = {**flat.specs, **flat.extra_specs}
@@ -89,9 +90,9 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
     partials = []
     for (site, index), devices in workers.items():
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys, worker=index)
-        rnd = worker._open(site_task, task, {d for d, s in where.items() if s == site})
+        rnd = worker.open(site_task, task, {d for d, s in where.items() if s == site})
         for device in devices:
-            worker._on_update(rnd, device, payloads[device], time.time())
+            worker.intake.on_update(rnd, device, payloads[device], time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
     tree_record = fold_partials(tree, {"north": 4, "south": 3, "east": 2}, partials)
     observed = [row for _, p in partials for row in msgpack.unpackb(p[4 + signing.TAG_BYTES:])["observed"]]
@@ -110,7 +111,7 @@ def test_tree_and_flat_fold_the_same_updates_into_the_same_model(digits, algorit
     for name in flat.weights:
         np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
     assert tree.server_rule.broadcast() == pytest.approx(flat.server_rule.broadcast())
-    assert any(not np.allclose(tree.weights[n], Coordinator(FED, ARCH, digits.test, settings).weights[n])
+    assert any(not np.allclose(tree.weights[n], Engine(FED, ARCH, digits.test, settings).weights[n])
                for n in flat.weights), "the round changed nothing: the comparison would be empty"
 
 
@@ -124,8 +125,8 @@ def test_the_default_fold_gives_the_same_model_flat_and_in_sites(digits, algorit
     where = fleet({"north": 3, "south": 3})
     keys = {d: signing.new_key() for d in where}
     site_keys = {s: signing.new_key() for s in set(where.values())}
-    flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={},
+    flat = Engine(FED, ARCH, digits.test, settings, device_keys=keys)
+    tree = Engine(FED, ARCH, digits.test, settings, device_keys={},
                            sites={site: SiteSpec(1, site_keys[site]) for site in site_keys})
     rng = np.random.default_rng(5)
     center = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in flat.specs.items()}
@@ -145,11 +146,11 @@ def test_the_default_fold_gives_the_same_model_flat_and_in_sites(digits, algorit
     partials = []
     for site in site_keys:
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
-        worker._open(site_task, task, set())  # learns the rules; then the same radius history as the centre
+        worker.open(site_task, task, set())  # learns the rules; then the same radius history as the centre
         worker.radius.load_state(history)
-        rnd = worker._open(site_task, task, {d for d, s in where.items() if s == site})
+        rnd = worker.open(site_task, task, {d for d, s in where.items() if s == site})
         for device in (d for d, s in where.items() if s == site):
-            worker._on_update(rnd, device, payloads[device], time.time())
+            worker.intake.on_update(rnd, device, payloads[device], time.time())
         partials.append((site, encode_partial(worker.partial(rnd), site_keys[site])))
     tree_record = fold_partials(tree, {"north": 3, "south": 3}, partials)
     assert tree_record.clipped.get("center") == flat_record.clipped["center"]
@@ -159,19 +160,19 @@ def test_the_default_fold_gives_the_same_model_flat_and_in_sites(digits, algorit
 
 def test_tree_mode_refuses_aggregators_a_partial_cannot_carry(digits):
     with pytest.raises(ValueError, match="aggregator = one of centered_clip, mean"):
-        TreeCoordinator(FED, ARCH, digits.test, RoundSettings(aggregator="gated_mean"),
+        Engine(FED, ARCH, digits.test, RoundSettings(aggregator="gated_mean"),
                         sites={"north": SiteSpec(1, signing.new_key())})
-    TreeCoordinator(FED, ARCH, digits.test, RoundSettings(downlink="delta"),  # deltas cross the bridges
+    Engine(FED, ARCH, digits.test, RoundSettings(downlink="delta"),  # deltas cross the bridges
                     sites={"north": SiteSpec(1, signing.new_key())})
 
 
 def test_partials_are_validated_like_updates(digits):
     settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", round_timeout=60)
     key = signing.new_key()
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings, sites={"north": SiteSpec(1, key)})
+    tree = Engine(FED, ARCH, digits.test, settings, sites={"north": SiteSpec(1, key)})
     worker = SiteWorker(FED, "north", ARCH, key, {})
     task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
-    rnd = worker._open(SiteTask(1, 1, 0, messages.encode("task", task), {}), task, {"north-0"})
+    rnd = worker.open(SiteTask(1, 1, 0, messages.encode("task", task), {}), task, {"north-0"})
     good = worker.partial(rnd)
     cap = 10 ** 7
     with pytest.raises(Rejected, match="signature"):
@@ -188,13 +189,13 @@ def test_partials_are_validated_like_updates(digits):
     worker._handle("edgefl/test/site/north/cohort", b"\x92\x01", time.time(), False)
     assert worker.current is None and not worker.sent  # nothing opened, nothing sent
     # a partial from a site the config does not know is rejected with its reason
-    tree.inbox.put(("edgefl/test/site/west/partial", b"x", time.time(), False))
-    tree._drain(0.1)
-    assert tree.rejections["unknown_site"] == 1
+    tree.transport.inbox.put(("edgefl/test/site/west/partial", b"x", time.time(), False))
+    tree.drain(0.1)
+    assert tree.intake.rejections["unknown_site"] == 1
     # a stale partial is logged and counted, never folded
-    rnd_tree = tree._open_round(2, 1, {"north/0"}, time.time() + 60, 1)
-    tree._on_partial(rnd_tree, "north", encode_partial(worker.partial(rnd), key))
-    assert tree.rejections["stale"] == 1 and not rnd_tree.answered
+    rnd_tree = tree.open_round(2, 1, {"north/0"}, time.time() + 60, 1)
+    tree.topology.on_partial(tree, rnd_tree, "north", encode_partial(worker.partial(rnd), key))
+    assert tree.intake.rejections["stale"] == 1 and not rnd_tree.answered
 
 
 def _tree_round(digits, forge: bool, seed: int = 7, store: Store | None = None):
@@ -204,7 +205,7 @@ def _tree_round(digits, forge: bool, seed: int = 7, store: Store | None = None):
     where = fleet({"north": 3, "south": 3, "east": 3, "west": 3})
     keys = {d: signing.new_key() for d in where}
     site_keys = {s: signing.new_key() for s in ("north", "south", "east", "west")}
-    tree = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={}, store=store,
+    tree = Engine(FED, ARCH, digits.test, settings, device_keys={}, store=store,
                            sites={s: SiteSpec(1, k, devices=3) for s, k in site_keys.items()})
     rng = np.random.default_rng(seed)
     step = {n: (0.05 * rng.standard_normal(shape)).astype(np.float32) for n, shape in tree.specs.items()}
@@ -215,13 +216,13 @@ def _tree_round(digits, forge: bool, seed: int = 7, store: Store | None = None):
     partials = []
     for site in site_keys:
         worker = SiteWorker(FED, site, ARCH, site_keys[site], keys)
-        rnd = worker._open(site_task, task, {d for d, s in where.items() if s == site})
+        rnd = worker.open(site_task, task, {d for d, s in where.items() if s == site})
         for device in sorted(d for d, s in where.items() if s == site):
             delta = {n: (a + 0.02 * rng.standard_normal(a.shape)).astype(np.float32) for n, a in step.items()}
             encoded = codec.encode(delta, "float32")
             update = messages.Update(device, 1, 0, 100, {"steps": 5}, encoded.body, encoded.codec, encoded.specs,
                                      FED, 1)
-            worker._on_update(rnd, device, messages.encode_update(update, keys[device]), time.time())
+            worker.intake.on_update(rnd, device, messages.encode_update(update, keys[device]), time.time())
         partial = worker.partial(rnd)
         assert partial.count == 3
         if forge and site == "west":  # its mean step -10x, its weight 100x, claiming 50 devices
@@ -233,7 +234,7 @@ def _tree_round(digits, forge: bool, seed: int = 7, store: Store | None = None):
             partial.count = 50
         partials.append((site, encode_partial(partial, site_keys[site])))
     record = fold_partials(tree, {s: 3 for s in site_keys}, partials)
-    assert not forge or 0 < tree.site_standing["west"] < 1  # its next partials weigh less still
+    assert not forge or 0 < tree.topology.site_standing["west"] < 1  # its next partials weigh less still
     return {n: tree.weights[n] - before[n] for n in before}, record
 
 
@@ -256,10 +257,10 @@ def test_a_sites_lost_standing_survives_a_restart(digits, tmp_path):
     """The standing a forging site lost is in the checkpoint: a restarted centre does not trust it afresh."""
     _tree_round(digits, forge=True, store=Store(tmp_path / "state"))
     settings = RoundSettings(algorithm="fedavg", codec="float32", round_timeout=60)
-    restarted = TreeCoordinator(FED, ARCH, digits.test, settings, device_keys={}, store=Store(tmp_path / "state"),
+    restarted = Engine(FED, ARCH, digits.test, settings, device_keys={}, store=Store(tmp_path / "state"),
                                 sites={s: SiteSpec(1, signing.new_key(), devices=3)
                                        for s in ("north", "south", "east", "west")})
-    assert set(restarted.site_standing) == {"west"} and 0 < restarted.site_standing["west"] < 1
+    assert set(restarted.topology.site_standing) == {"west"} and 0 < restarted.topology.site_standing["west"] < 1
 
 
 class PublishedTo:
@@ -296,7 +297,7 @@ def test_a_site_tells_its_devices_left_out_when_the_centre_retries_the_round(dig
     settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", round_timeout=60)
     keys = {"north-0": signing.new_key()}
     worker = SiteWorker(FED, "north", ARCH, signing.new_key(), keys)
-    worker.session = ReceiptsToo()  # type: ignore[assignment]
+    worker.transport = ReceiptsToo()  # type: ignore[assignment]
 
     def cohort(attempt: int) -> bytes:
         task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", attempt)
@@ -307,11 +308,11 @@ def test_a_site_tells_its_devices_left_out_when_the_centre_retries_the_round(dig
     delta = {n: np.full(shape, 0.01, np.float32) for n, shape in worker.specs.items()}
     encoded = codec.encode(delta, "float32")
     update = messages.Update("north-0", 1, 0, 100, {"steps": 5}, encoded.body, encoded.codec, encoded.specs, FED, 1)
-    worker._on_update(worker.current, "north-0", messages.encode_update(update, keys["north-0"]), time.time())
+    worker.intake.on_update(worker.current, "north-0", messages.encode_update(update, keys["north-0"]), time.time())
     worker._on_cohort(cohort(2))
-    told = [(r.attempt, r.verdict) for r in worker.session.receipts["north-0"]]
+    told = [(r.attempt, r.verdict) for r in worker.transport.receipts["north-0"]]
     assert told[-2:] == [(1, "folded"), (1, "left_out")], told  # (a cold start says "pending" first)
-    assert "abandoned attempt 1" in worker.session.receipts["north-0"][-1].detail
+    assert "abandoned attempt 1" in worker.transport.receipts["north-0"][-1].detail
 
 
 @pytest.mark.parametrize("policy", ["stability", "random"])
@@ -327,23 +328,23 @@ def test_a_site_selects_its_cohort_with_the_rounds_selection_policy(policy):
     rules = site_rules(RoundSettings(selection=policy, aggregator="mean"))
     assert rules["selection"] == policy and rules["aggregator"] == "mean"
     worker = SiteWorker(FED, "north", ARCH, signing.new_key(), {}, seed=5)
-    worker.session = PublishedTo()  # type: ignore[assignment]
+    worker.transport = PublishedTo()  # type: ignore[assignment]
     devices = [f"north-{i}" for i in range(12)]
     for device in devices:
-        worker._on_status(device, messages.encode("status", messages.Status(device, "online", {"busy": False})))
+        worker.presence.on_status(device, messages.encode("status", messages.Status(device, "online", {"busy": False})))
     # eight devices whose last update was unstable (tau high, gamma low), four stable ones
-    worker.last_metrics = {d: {"tau": 0.5, "gamma": 0.2} if i < 8 else {"tau": 0.05, "gamma": 0.9}
+    worker.intake.last_metrics = {d: {"tau": 0.5, "gamma": 0.2} if i < 8 else {"tau": 0.05, "gamma": 0.9}
                            for i, d in enumerate(devices)}
     task = messages.Task(1, 0, time.time() + 60, "drsam", {}, {}, "float32", 1)
     worker._on_site_task(encode_site_task(SiteTask(1, 1, 6, messages.encode("task", task), rules)))
 
-    cohort = msgpack.unpackb(worker.session.retained[f"edgefl/{FED}/site/north/cohort"])["devices"]
-    expected = select(policy, devices, 6, random.Random("5/north"), worker.last_metrics)
-    assert cohort == sorted(expected) == sorted(worker.session.tasked)
+    cohort = msgpack.unpackb(worker.transport.retained[f"edgefl/{FED}/site/north/cohort"])["devices"]
+    expected = select(policy, devices, 6, random.Random("5/north"), worker.intake.last_metrics)
+    assert cohort == sorted(expected) == sorted(worker.transport.tasked)
     if policy == "stability":  # half drawn uniformly, the rest from the stable devices first
-        assert sum(is_stable(worker.last_metrics[d]) for d in cohort) >= 3
-        assert cohort != select("random", devices, 6, random.Random("5/north"), worker.last_metrics)
-    assert all(worker.pending_round[d] == 1 for d in cohort)
+        assert sum(is_stable(worker.intake.last_metrics[d]) for d in cohort) >= 3
+        assert cohort != select("random", devices, 6, random.Random("5/north"), worker.intake.last_metrics)
+    assert all(worker.presence.pending_round[d] == 1 for d in cohort)
 
 
 def test_a_site_task_naming_an_unknown_selection_selects_at_random(caplog):
@@ -352,15 +353,15 @@ def test_a_site_task_naming_an_unknown_selection_selects_at_random(caplog):
     from broker_coordinator.engine.selection import select
 
     worker = SiteWorker(FED, "north", ARCH, signing.new_key(), {}, seed=5)
-    worker.session = PublishedTo()  # type: ignore[assignment]
+    worker.transport = PublishedTo()  # type: ignore[assignment]
     devices = [f"north-{i}" for i in range(6)]
     for device in devices:
-        worker._on_status(device, messages.encode("status", messages.Status(device, "online", {"busy": False})))
+        worker.presence.on_status(device, messages.encode("status", messages.Status(device, "online", {"busy": False})))
     task = messages.Task(1, 0, time.time() + 60, "fedavg", {}, {}, "float32", 1)
     with caplog.at_level("ERROR"):
         worker._on_site_task(encode_site_task(SiteTask(1, 1, 3, messages.encode("task", task), {"selection": "best"})))
     assert any("selection 'best'" in r.getMessage() for r in caplog.records)
-    assert sorted(worker.session.tasked) == select("random", devices, 3, random.Random("5/north"), {})
+    assert sorted(worker.transport.tasked) == select("random", devices, 3, random.Random("5/north"), {})
 
 
 def test_quotas_split_clients_over_sites_in_proportion():
@@ -418,9 +419,9 @@ def test_bridged_sites_run_rounds_and_two_workers_share_a_site(tmp_path, digits)
     devices: list[Device] = []
     threads: list[threading.Thread] = []
     with LocalSites(tmp_path, FED, where, workers=2) as rig:
-        tree = TreeCoordinator(FED, ARCH, digits.test, settings,
+        tree = Engine(FED, ARCH, digits.test, settings,
                                sites={s: SiteSpec(2 if s == "north" else 1, rig.site_key(s)) for s in where})
-        flat = Coordinator(FED, ARCH, digits.test, settings, device_keys=keys)
+        flat = Engine(FED, ARCH, digits.test, settings, device_keys=keys)
         try:
             tree.connect(rig.central.host, rig.central.port, COORDINATOR_USER, rig.coordinator_password)
             for site, names in where.items():
@@ -450,7 +451,7 @@ def test_bridged_sites_run_rounds_and_two_workers_share_a_site(tmp_path, digits)
     for name in flat.weights:
         np.testing.assert_allclose(tree.weights[name], flat.weights[name], rtol=1e-5, atol=1e-6)
     north = [w for w in workers if w.site == "north"]
-    folded = [{(d, r) for d, r, _ in w.accepted} for w in north]
+    folded = [{(d, r) for d, r, _ in w.intake.accepted} for w in north]
     assert all(folded), "both north workers should have folded a share of the updates"
     assert not folded[0] & folded[1]
     assert folded[0] | folded[1] == {(d, r) for d in where["north"] for r in (1, 2)}

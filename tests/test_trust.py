@@ -161,7 +161,7 @@ def test_trimmed_mean_keeps_at_least_one_value():
 
 
 def test_settings_refuse_what_agents_refuse_and_unknown_aggregators():
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
     with pytest.raises(ValueError, match="local_epochs must be a whole number 0-100"):
         RoundSettings(local_epochs=150).validate()
     with pytest.raises(ValueError, match="aggregator must be one of"):
@@ -263,10 +263,11 @@ def test_a_root_reference_replaces_the_median():
 
 
 def test_root_reference_needs_root_data():
-    from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+    from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.settings.round_settings import RoundSettings
     from models import datasets
     with pytest.raises(ValueError, match="root_data"):
-        Coordinator("u", "digits_mlp", datasets.load("digits").test, RoundSettings(reference="root"))
+        Engine("u", "digits_mlp", datasets.load("digits").test, RoundSettings(reference="root"))
 
 
 def test_rollback_from_the_command_line_and_refused_while_the_coordinator_runs(tmp_path):

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.simulate import SimulationSpec, spawn_agent, stop_processes, write_agent_config
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
@@ -65,7 +66,7 @@ def test_forged_and_oversized_updates_are_rejected_and_a_replay_never_folds_twic
     datasets.save_npz(shard, data.train.subset(np.arange(600)))
     keys = {"dev-a": signing.new_key(), "dev-b": signing.new_key()}
     settings = RoundSettings(round_timeout=90, local_epochs=1, codec="topk0.1+q8+zlib", model_chunk_bytes=4096)
-    coordinator = Coordinator(FEDERATION, "digits_mlp", data.test, settings, device_keys=keys)
+    coordinator = Engine(FEDERATION, "digits_mlp", data.test, settings, device_keys=keys)
     coordinator.connect(broker.host, broker.port, "coordinator", broker.users["coordinator"])
     config = tmp_path / "dev-a" / "agent.toml"
     write_agent_config(config, "dev-a", broker.users["dev-a"], broker.port,
@@ -85,7 +86,7 @@ def test_forged_and_oversized_updates_are_rejected_and_a_replay_never_folds_twic
     assert records[0].rejected == {"signature": 1, "oversized": 1}
     assert records[1].rejected == {}  # the replay of round 1: the same bytes, answered with round 1's verdict
     assert records[2].rejected == {}
-    assert coordinator.rejections == {"signature": 1, "oversized": 1}
+    assert coordinator.intake.rejections == {"signature": 1, "oversized": 1}
     assert coordinator.verdicts.of(("dev-b", 2, 1)).counted  # round 2 folded dev-b's own round 2 update
     assert coordinator.version == 3 and any(not np.array_equal(initial[k], coordinator.weights[k]) for k in initial)
     assert log.count("trained (") == 3 and log.count("update rejected") == 0

@@ -15,7 +15,9 @@ import pytest
 
 from bench.inmemory import InMemoryFederation
 from broker_coordinator.access.broker import COORDINATOR_USER
-from broker_coordinator.engine.coordinator import Coordinator, RoundSettings
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.engine.transport import InMemoryTransport
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from broker_coordinator.simulation.simulate import (
@@ -36,22 +38,23 @@ KEY = signing.new_key()
 DEVICES = ("d1", "d2", "d3", "d4")
 
 
-class Receipts:
-    """A session that keeps the receipts the coordinator publishes: device -> [Receipt, ...]."""
+class Receipts(InMemoryTransport):
+    """An in-memory transport that keeps the receipts the coordinator publishes: device -> [Receipt, ...]."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.got: dict[str, list[messages.Receipt]] = {}
 
-    def publish(self, topic, payload, qos=1, retain=False):  # noqa: ANN001
+    def publish(self, topic, payload, retain=False):  # noqa: ANN001
         if topic.endswith("/receipt"):
             self.got.setdefault(topic.split("/")[3], []).append(messages.decode_receipt(payload))
 
 
-def _coordinator(tmp_path, **settings) -> Coordinator:
+def _coordinator(tmp_path, **settings) -> Engine:
     s = RoundSettings(**{"algorithm": "fedavg", "codec": "float32", **settings})
-    c = Coordinator(FED, "digits_mlp", datasets.load("digits").test, s, store=Store(tmp_path / "state"),
+    c = Engine(FED, "digits_mlp", datasets.load("digits").test, s, store=Store(tmp_path / "state"),
                     device_keys={d: KEY for d in DEVICES})
-    c.session = Receipts()
+    c.transport = Receipts()
     return c
 
 
@@ -74,9 +77,9 @@ def test_a_clipped_update_is_told_its_scale_in_the_one_receipt(tmp_path):
     d = _direction(c)
     norm = float(np.sqrt(sum(np.sum(a.astype(np.float64) ** 2) for a in d.values())))
     delta = {k: a * (3.0 / norm) for k, a in d.items()}  # norm 3: twice the bound
-    rnd = c._open_round(1, 1, {"d1"}, time.time() + 60, 1)
-    c._on_update(rnd, "d1", _update(c, "d1", delta), time.time())
-    (receipt,) = c.session.got["d1"]  # streaming: decided at intake, one message
+    rnd = c.open_round(1, 1, {"d1"}, time.time() + 60, 1)
+    c.intake.on_update(rnd, "d1", _update(c, "d1", delta), time.time())
+    (receipt,) = c.transport.got["d1"]  # streaming: decided at intake, one message
     assert receipt.accepted and receipt.verdict == "clipped" and receipt.scale == pytest.approx(0.5, rel=1e-3)
     assert "norm 3 -> 1.5" in receipt.detail
 
@@ -91,10 +94,10 @@ def test_a_reversed_update_is_left_out_by_gated_mean_and_told_so_after_the_close
     for dev in DEVICES:
         c.store.record_presence(dev, True, {})
     record = fold_round(c, answers, 1)
-    first, final = c.session.got["d4"]
+    first, final = c.transport.got["d4"]
     assert first.accepted and first.verdict == "pending"  # gated_mean decides at the close
     assert final.accepted and final.verdict == "left_out" and final.scale == 0 and "direction" in final.detail
-    assert [r.verdict for r in c.session.got["d1"]] == ["pending", "folded"]
+    assert [r.verdict for r in c.transport.got["d1"]] == ["pending", "folded"]
     # the round record, device_rounds, status and Prometheus say the same
     assert record.left_out == pytest.approx(0.25) and record.clipped == {"direction": 1}
     assert record.devices["d4"]["verdict"] == "left_out"
@@ -124,12 +127,12 @@ def test_an_identical_resend_after_the_close_gets_its_verdict_and_an_unknown_one
     c = _coordinator(tmp_path, aggregator="mean", norm_bound=0)
     payload = _update(c, "d1", _direction(c))
     fold_round(c, {"d1": payload}, 1)
-    rnd = c._open_round(2, 1, {"d1"}, time.time() + 60, 1)
-    c._on_update(rnd, "d1", payload, time.time())  # its receipt was lost: the same bytes, after the close
-    assert c.session.got["d1"][-1].accepted and c.session.got["d1"][-1].verdict == "folded"
-    assert not c.rejections and rnd.aggregate.count == 0
-    c._on_update(rnd, "d2", _update(c, "d2", _direction(c)), time.time())  # never accepted for round 1
-    late = c.session.got["d2"][-1]
+    rnd = c.open_round(2, 1, {"d1"}, time.time() + 60, 1)
+    c.intake.on_update(rnd, "d1", payload, time.time())  # its receipt was lost: the same bytes, after the close
+    assert c.transport.got["d1"][-1].accepted and c.transport.got["d1"][-1].verdict == "folded"
+    assert not c.intake.rejections and rnd.aggregate.count == 0
+    c.intake.on_update(rnd, "d2", _update(c, "d2", _direction(c)), time.time())  # never accepted for round 1
+    late = c.transport.got["d2"][-1]
     assert not late.accepted and late.reason == "late" and late.verdict == "not_folded"
 
 
@@ -195,25 +198,25 @@ def test_a_lost_receipt_and_the_next_round_count_the_update_exactly_once(tmp_pat
     settings = RoundSettings(algorithm="fedavg", round_timeout=120, local_epochs=1, codec="topk1+float32",
                              lr_decay=1e-4, weight_decay=0.0, model_chunk_bytes=1 << 20)
 
-    class LosingCoordinator(Coordinator):
-        dropping = True
-        norms: dict[int, float] = {}
-
-        def _receipt(self, device, answer, rejected, verdict=None):  # noqa: ANN001
-            if not (self.dropping and answer == (1, 1)):
-                super()._receipt(device, answer, rejected, verdict)
-
-        def _fold(self, current, device, answer, judged, size, digest):  # noqa: ANN001
-            if isinstance(answer, messages.Update):
-                self.norms[answer.round] = float(np.sqrt(sum(np.sum(judged[0][n].astype(np.float64) ** 2)
-                                                             for n in self.specs)))
-            super()._fold(current, device, answer, judged, size, digest)
-
     broker = PrivateBroker(tmp_path / "broker", FED)
     broker.add_user(COORDINATOR_USER)
     broker.add_user("dev-a")
     with broker:
-        coordinator = LosingCoordinator(FED, "digits_mlp", data.test, settings, device_keys=keys)
+        coordinator = Engine(FED, "digits_mlp", data.test, settings, device_keys=keys)
+        dropping, norms = [True], {}
+        receipt, fold = coordinator.intake._receipt, coordinator.intake._fold
+
+        def losing_receipt(device, answer, rejected, verdict=None):  # noqa: ANN001 (round 1's receipt is lost)
+            if not (dropping[0] and answer == (1, 1)):
+                receipt(device, answer, rejected, verdict)
+
+        def measuring_fold(current, device, answer, judged, size, digest):  # noqa: ANN001
+            if isinstance(answer, messages.Update):
+                norms[answer.round] = float(np.sqrt(sum(np.sum(judged[0][n].astype(np.float64) ** 2)
+                                                        for n in coordinator.specs)))
+            fold(current, device, answer, judged, size, digest)
+
+        coordinator.intake._receipt, coordinator.intake._fold = losing_receipt, measuring_fold
         coordinator.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
         config = tmp_path / "dev-a" / "agent.toml"
         write_agent_config(config, "dev-a", broker.users["dev-a"], broker.port,
@@ -222,12 +225,12 @@ def test_a_lost_receipt_and_the_next_round_count_the_update_exactly_once(tmp_pat
         try:
             coordinator.wait_for_devices(1, 60)
             first = coordinator.run_round(1)
-            coordinator.dropping = False
+            dropping[0] = False
             second = coordinator.run_round(2)
             give_up = time.monotonic() + 60  # the last receipt: the agent logs its verdict
             while "round 2: update accepted" not in (tmp_path / "dev-a" / "agent.log").read_text():
                 assert time.monotonic() < give_up
-                coordinator._drain(0.2)
+                coordinator.drain(0.2)
         finally:
             stop_processes([agent])
             coordinator.close()
@@ -236,7 +239,7 @@ def test_a_lost_receipt_and_the_next_round_count_the_update_exactly_once(tmp_pat
     assert "the round 1 update settled: folded" in log, log
     assert coordinator.verdicts.of(("dev-a", 1, 1)).kind == "folded"
     assert "owed" not in second.devices["dev-a"] and "double_count" not in second.devices["dev-a"]
-    assert coordinator.norms[2] < 0.05 * coordinator.norms[1], coordinator.norms  # round 1's delta is not in it
+    assert norms[2] < 0.05 * norms[1], norms  # round 1's delta is not in it
 
 
 
@@ -315,7 +318,7 @@ def test_a_cleared_retained_status_is_stored_as_offline(tmp_path):
     without its will): the stored presence, which status reads, must say offline too."""
     c = _coordinator(tmp_path, aggregator="mean", norm_bound=0)
     c.store.record_presence("d1", True, {"cores": 4})
-    c._on_status("d1", b"")
+    c.presence.on_status("d1", b"")
     (row,) = [d for d in c.store.devices() if d["device"] == "d1"]
     assert row["online"] == 0 and "cores" in row["profile"]  # offline, its last profile kept
 
@@ -323,9 +326,9 @@ def test_a_cleared_retained_status_is_stored_as_offline(tmp_path):
 def test_devices_asked_to_evaluate_that_report_nothing_get_one_warning_that_says_what_to_do(tmp_path, caplog):
     """No test set, so the devices evaluate; agents enrolled with the `[device] data` shorthand hold out
     nothing and report no score. The coordinator says so once, with the setting that fixes it."""
-    c = Coordinator(FED, "digits_mlp", None, RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean"),
+    c = Engine(FED, "digits_mlp", None, RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean"),
                     store=Store(tmp_path / "state"), device_keys={d: KEY for d in DEVICES})
-    c.session = Receipts()
+    c.transport = Receipts()
     for round_no in (1, 2):
         fold_round(c, {"d1": _update(c, "d1", _direction(c), round_no=round_no)}, round_no)
     said = [r.getMessage() for r in caplog.records if "none reported a score" in r.getMessage()]

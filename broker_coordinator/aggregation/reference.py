@@ -7,7 +7,7 @@ as the reference direction; a device's delta that points away from it
 round's own median is a weak reference (honest deltas are nearly orthogonal
 to one another); a trained reference is not. It needs labelled data on the
 coordinator that is not the test set (`[federation] root_data`): with it the
-default (`[rounds] reference = "auto"`) uses it, without it the round's median.
+default (`[fold] reference = "auto"`) uses it, without it the round's median.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ then combined by one of (`RoundSettings.aggregator`):
 - `centered_clip` (default): centered clipping (Karimireddy, He and Jaggi,
   ICML 2021). Each delta's difference from a centre `c` that every level of
   the federation knows before the round opens (the last applied aggregate
-  step, see `Coordinator.center`) is clipped to a radius tau, and the round
+  step, see `Engine.center`) is clipped to a radius tau, and the round
   averages c + clip(delta - c, tau):
       aggregate = c + sum_k w_k min(1, tau / ||delta_k - c||) (delta_k - c) / sum_k w_k
   tau is `norm_bound` times the median of the devices' recent (clipped)

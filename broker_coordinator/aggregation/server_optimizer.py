@@ -22,7 +22,7 @@ where D_t is the optimizer's direction:
               (adaptive ones)                            D_t = m_t / (sqrt(v_t) + tau)
 
 with m_{-1} = 0 and v_{-1} = tau^2 (Reddi et al.'s Algorithm 2 asks v_{-1} >= tau^2), and no bias
-correction (their Algorithm 2 has none). Parameters, [rounds] keys with their defaults: server_optimizer
+correction (their Algorithm 2 has none). Parameters, [server_optimizer] keys with their defaults: server_optimizer
 "sgd"; server_lr eta (unset: 1.0 for sgd, 1 - mu for momentum, 0.01 for adam and yogi, 0.1 for
 adagrad: `RoundSettings.server_step_size`); server_momentum mu 0.9; beta1 b1 0.9; beta2 b2 0.99;
 tau 1e-3; server_lr_decay gamma 1: the step t (0 = the first) is taken at eta * gamma^t, as the clients'

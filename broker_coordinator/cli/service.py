@@ -8,9 +8,10 @@ import signal
 import time
 from typing import Callable
 
-from broker_coordinator.engine.buffered import coordinator_class
-from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, record_dict
+from broker_coordinator.engine.loop import Engine, record_dict
 from broker_coordinator.engine.private_rounds import BudgetSpent
+from broker_coordinator.engine.rounds import RoundFailed
+from broker_coordinator.engine.transport import MqttTransport
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.reporting.report import describe_scores, format_round
 from broker_coordinator.reporting.tracking import RunTracker
@@ -35,16 +36,14 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
     root_set = load_npz(fed.root_data, fed.task) if fed.root_data else None
-    kind, extra = coordinator_class(config.rounds), {}
+    sites = None
     if config.sites:  # a federation in sites: the coordinator tasks sites and combines their partials
         from broker_coordinator.access.sites import site_key
-        from broker_coordinator.engine.buffered_tree import tree_class
         from broker_coordinator.engine.tree import SiteSpec
-        kind, extra = tree_class(config.rounds), {"sites": {name: SiteSpec(s.workers, site_key(b.password, name))
-                                                  for name, s in config.sites.items()}}
-    coordinator = kind(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
+        sites = {name: SiteSpec(s.workers, site_key(b.password, name)) for name, s in config.sites.items()}
+    coordinator = Engine(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                        store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
-                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, **extra)
+                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, sites=sites)
     tracker = RunTracker.start(config.tracking, fed.name, {name: getattr(config, name) for name in (
         "federation", "broker", "rounds", "storage", "enrollment", "metrics", "sites")}, metrics)  # no secrets: flatten
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
@@ -82,26 +81,26 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     return 0
 
 
-def attach_enrollment(config: CoordinatorConfig, coordinator: Coordinator):  # noqa: ANN201 - an EnrollmentDesk
+def attach_enrollment(config: CoordinatorConfig, coordinator: Engine):  # noqa: ANN201 - an EnrollmentDesk
     """The device registry admits updates (unknown and revoked devices are rejected) and the
     enrollment desk redeems tokens on the coordinator's own session."""
     from broker_coordinator.access.enrollment import EnrollmentDesk
     from broker_coordinator.access.registry import Registry
     registry = Registry(config.registry_path)
-    coordinator.admission = registry.admission
+    coordinator.intake.presence.admission = registry.admission
 
-    by_hand = dict(coordinator.device_keys)  # keys provisioned by hand in device_keys.toml, if any
+    by_hand = dict(coordinator.intake.keys)  # keys provisioned by hand in device_keys.toml, if any
 
     def refresh_keys() -> None:  # signed updates: the enrolled devices' keys (over any by hand), swapped in whole
-        coordinator.device_keys = {**by_hand, **registry.signing_keys(config.federation.name)}
-        for name, spec in getattr(coordinator, "sites", {}).items():  # a site's partial counts at most its devices
+        coordinator.intake.keys = {**by_hand, **registry.signing_keys(config.federation.name)}
+        for name, spec in coordinator.topology.sites.items():  # a site's partial counts at most its devices
             spec.devices = sum(config.sites[name].holds(d.name) for d in registry.devices(config.federation.name)
                                if d.state != "revoked")
 
     refresh_keys()
     desk = EnrollmentDesk(config, registry, on_enrolled=lambda device: refresh_keys())
-    assert coordinator.session is not None
-    desk.attach(coordinator.session.client)
+    assert isinstance(coordinator.transport, MqttTransport)
+    desk.attach(coordinator.transport.session.client)
     return desk
 
 

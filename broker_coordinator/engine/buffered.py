@@ -1,4 +1,4 @@
-"""Buffered asynchronous mode (`[rounds] mode = "buffered"`): FedBuff (Nguyen et al., AISTATS 2022)
+"""Buffered asynchronous mode (`[schedule] mode = "buffered"`): FedBuff (Nguyen et al., AISTATS 2022)
 on the coordinator's own intake, trust bounds and fold.
 
 No lock-step rounds. A device gets a task whenever it is idle (its retained
@@ -16,7 +16,7 @@ The buffer's step, with n_k the trusted sample weight of update k:
 FedBuff's sum_k f(s_k) delta_k / K with sample weights. It is the robust fold
 (`RobustRound`, given the weights n_k f(s_k)) scaled by
 sum_k n_k f(s_k) / sum_k n_k, so the norm bound and the direction gate still
-see every delta at its own length (`DampedAggregate`).
+see every delta at its own length (`aggregation/damping.py`).
 
 A task is (round, attempt) = (the version being built when it was sent, a
 per-version ticket number): unique across restarts (`Store.start_attempt`),
@@ -30,162 +30,151 @@ rate 1, the fold over K) and a device gets no second task while it has an update
 Algorithms with a server dual (FedDyn's and FedSMOO's H, DynSAM's) are told the buffer's damping
 and mean staleness before they step (`ServerRule.pace`): H adds up the undamped mean, as the devices'
 duals do, and enters the model damped by the staleness (`edgefl_protocol/algorithms/feddyn.py`).
+
+In a federation in sites the unit of work is a site task instead of a device task (`tree.Sites`):
+a site that is online with eligible devices and holds no site task gets one; each partial of an
+open ticket is folded with the staleness factor of the version its task named, and the ticket is
+done when every worker of the site has sent its partial (or at its deadline):
+    step = sum_sites f(s_j) S_j / sum_sites W_j
+with S_j, W_j a partial's weighted sum and weight. A worker cannot tell a buffered centre from a
+sync one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from broker_coordinator.aggregation.damping import Damped
 from broker_coordinator.aggregation.staleness import staleness_factor
-from broker_coordinator.engine.coordinator import Coordinator, RoundFailed
-from broker_coordinator.engine.intake import Judged, _clock
-from broker_coordinator.engine.rounds import Round, RoundState
-from broker_coordinator.engine.selection import select
-from broker_coordinator.settings.round_settings import RoundRecord, RoundSettings
+from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState
+from broker_coordinator.engine.sync_rounds import clock
+from broker_coordinator.settings.round_settings import RoundRecord
 from broker_coordinator.storage.store import model_sha256
-from edgefl_protocol import messages, topics
+from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import Partial
+
+if TYPE_CHECKING:
+    from broker_coordinator.engine.loop import Engine
 
 log = logging.getLogger("broker_coordinator")
 POLL = 0.2  # seconds between looks for idle devices when no message arrives
 
 
-def coordinator_class(settings: RoundSettings) -> type[Coordinator]:
-    """The coordinator that runs `settings.mode`."""
-    return BufferedCoordinator if settings.mode == "buffered" else Coordinator
-
-
 @dataclass
 class Ticket:
-    device: str
+    unit: str  # the device or site the task went to
     version: int  # the model version the task trains from
     deadline: float
 
 
-class BufferedCoordinator(Coordinator):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+class BufferedVersions:
+    def __init__(self, staleness_weight: str, max_staleness: int, round_timeout: float,
+                 version: Callable[[], int], private: bool = False) -> None:
+        self.staleness_weight, self.max_staleness = staleness_weight, max_staleness
+        self.round_timeout = round_timeout
+        self.version = version  # the engine's current model version
         self.tickets: dict[tuple[int, int], Ticket] = {}  # (round, attempt) of each task not yet answered
-        self.working: dict[str, tuple[int, int]] = {}  # device -> its outstanding task
-        self.releases: dict[int, int] = {}  # older model versions kept retained (version -> chunks)
+        self.working: dict[str, tuple[int, int]] = {}  # unit -> its outstanding task
+        self.answered_by: dict[tuple[int, int], set[int]] = {}  # a site's ticket -> workers whose partial came
         self.buffer: Round | None = None
-        self.folded: set[tuple[int, int]] = set()  # tasks whose updates are in the buffer
+        self.in_buffer: set[tuple[int, int]] = set()  # tasks whose updates are in the buffer
+        self.keeps_older_releases = True
+        self.freshness = self
+        self.private = private  # [privacy]: one update per device per version
 
     # the loop -----------------------------------------------------------------------
-    def run_round(self, round_no: int | None = None) -> RoundRecord:
+    def run_round(self, engine: Engine, round_no: int) -> RoundRecord:
         """Hand out tasks and fold answers until the buffer holds K updates; apply it as the next version."""
-        s = self.settings
-        round_no = round_no or self.next_round
-        if not self._presence_settled:
-            self._settle_presence()
+        s = engine.settings
+        engine.settle_presence()
         if self.buffer is None or self.buffer.number != round_no:
-            if self.privacy:
-                self.privacy.check_budget(round_no)  # raises BudgetSpent: no further version is built
-            self.buffer = self._open_buffer(round_no)
+            if engine.privacy:
+                engine.privacy.check_budget(round_no)  # raises BudgetSpent: no further version is built
+            self.buffer = self.open_buffer(engine, round_no)
         buffer = self.buffer
         patience = s.round_timeout * max(s.max_attempts, 1)
         count, progress_at = buffer.aggregate.count, time.monotonic()
         while buffer.aggregate.count < s.buffer_size:
-            if self.stopping.is_set():
+            if engine.stopping.is_set():
                 raise RoundFailed(f"version {round_no}: coordinator shutting down")
-            self._dispatch(buffer)
-            self._drain(POLL, buffer)
-            self._expire()
+            engine.topology.dispatch(engine, self, buffer)
+            engine.drain(POLL, buffer)
+            self.expire(engine)
             if buffer.aggregate.count > count:
                 count, progress_at = buffer.aggregate.count, time.monotonic()
             elif time.monotonic() - progress_at > patience:
                 raise RoundFailed(f"version {round_no}: no update accepted for {patience:.0f} s "
                                   f"({count} of {s.buffer_size} in the buffer, {len(self.working)} tasks out, "
-                                  f"{len(self.online)} devices online)")
+                                  f"{engine.topology.presence.population()} devices online)")
         self.buffer = None
         buffer.cohort = buffer.answered | set(buffer.refused)  # a full buffer is complete; tasks out carry over
-        self._set_state(buffer, RoundState.CLOSED, self._summary(buffer))
-        record = self._conclude(buffer, model_sha256(self.weights))
-        self._retire_releases()
+        engine.set_state(buffer, RoundState.CLOSED, self.summary(buffer))
+        record = engine.conclude(buffer, model_sha256(engine.weights))
+        self.retire_releases(engine)
         return record
 
-    def _open_buffer(self, round_no: int) -> Round:
-        s = self.settings
-        rnd = self._open_round(round_no, 1, set(), time.time() + s.round_timeout, len(self.online))
-        rnd.aggregate = Damped(rnd.aggregate, scale_step=True)
-        self.folded = set()
-        self._set_state(rnd, RoundState.COLLECTING)
+    def open_buffer(self, engine: Engine, round_no: int) -> Round:
+        s = engine.settings
+        rnd = engine.open_round(round_no, 1, set(), time.time() + s.round_timeout,
+                                engine.topology.presence.population(),
+                                lambda: engine.topology.buffer_fold(engine, round_no))
+        self.in_buffer = set()
+        engine.set_state(rnd, RoundState.COLLECTING)
         return rnd
 
-    def _summary(self, buffer: Round) -> str:
+    def summary(self, buffer: Round) -> str:
         stale = [m["staleness"] for m in buffer.device_metrics.values() if "staleness" in m]
         dropped = buffer.rejected.get("too_stale", 0)
         return (f"buffer of {buffer.aggregate.count}: staleness {min(stale, default=0)}-{max(stale, default=0)}, "
                 f"damping {buffer.aggregate.report().damping:.3f}" + (f", {dropped} too stale dropped" if dropped else ""))
 
-    def _dispatch(self, buffer: Round) -> None:
-        """A task for every idle device without one (at most `clients_per_round` out at a time; 0 = no cap)."""
-        s = self.settings
-        # with [privacy], a device lands at most once in a buffer (its sensitivity stays C): no second task
-        idle = [d for d in self.eligible() if d not in self.working and not (self.privacy and d in buffer.answered)]
-        room = (s.clients_per_round - len(self.working)) if s.clients_per_round else len(idle)
-        if not idle or room <= 0:
-            return
-        chosen = select(s.selection, idle, room, self.rng, self.last_metrics)
-        deadline = time.time() + s.round_timeout
-        self._publish_model(deadline)
-        hparams, broadcast = s.task_hparams(buffer.number), self.server_rule.broadcast()
-        payloads = []
-        for device in chosen:
-            attempt = self._next_attempt(buffer.number)
-            task = messages.Task(buffer.number, self.version, deadline, s.algorithm, hparams, broadcast, s.codec,
-                                 attempt, self.objective.task, self.objective.loss, evaluate=self.evaluate_devices)
-            self.tickets[(buffer.number, attempt)] = Ticket(device, self.version, deadline)
-            self.working[device] = (buffer.number, attempt)
-            buffer.cohort.add(device)
-            payloads.append((topics.task(self.fed, device), messages.encode("task", task)))
-        assert self.session is not None
-        for topic in self.session.publish_all(payloads, min(deadline, time.time() + 60)):
-            log.error("version %d: the task for %s could not be published", buffer.number, topic.split("/")[3])
+    def ticket(self, engine: Engine, unit: str, buffer: Round, deadline: float) -> int:
+        """A task for `unit` in the version being built: its attempt number (never reused within the
+        version, across restarts too: an answer names its task)."""
+        round_no = buffer.number
+        if round_no not in engine.attempts and engine.store:
+            engine.attempts[round_no] = engine.store.last_attempt(round_no)
+        engine.attempts[round_no] = attempt = engine.attempts.get(round_no, 0) + 1
+        if engine.store:
+            engine.store.start_attempt(round_no, attempt)
+        self.tickets[(round_no, attempt)] = Ticket(unit, engine.version, deadline)
+        self.working[unit] = (round_no, attempt)
+        buffer.cohort.add(unit)
+        return attempt
 
-    def _next_attempt(self, round_no: int) -> int:
-        """Task numbers never repeat within a version, across restarts too (an answer names its task)."""
-        if round_no not in self.attempts and self.store:
-            self.attempts[round_no] = self.store.last_attempt(round_no)
-        self.attempts[round_no] = self.attempts.get(round_no, 0) + 1
-        if self.store:
-            self.store.start_attempt(round_no, self.attempts[round_no])
-        return self.attempts[round_no]
-
-    def _expire(self) -> None:
-        """A device silent past its task's deadline is free for a new task; its ticket is kept a while
+    def expire(self, engine: Engine) -> None:
+        """A unit silent past its task's deadline is free for a new task; its ticket is kept a while
         longer, so that a late answer is told it was late."""
         now = time.time()
-        for device, key in list(self.working.items()):
+        for unit, key in list(self.working.items()):
             if self.tickets[key].deadline < now:
-                log.info("%s did not answer task %d.%d by its deadline; it may get a new one", device, *key)
-                del self.working[device]
+                log.info("%s did not answer task %d.%d by its deadline; it may get a new one", unit, *key)
+                del self.working[unit]
         for key, ticket in list(self.tickets.items()):
-            if ticket.deadline + self.settings.round_timeout < now:
+            if ticket.deadline + self.round_timeout < now:
                 del self.tickets[key]
-        self._retire_releases()
+                self.answered_by.pop(key, None)
+        self.retire_releases(engine)
 
-    # model releases -----------------------------------------------------------------
-    def _clear_release(self, version: int, chunks: int) -> None:
-        # the base class clears the previous release when it publishes a new one: tasks out may need it
-        self.releases[version] = chunks
-        self._retire_releases()
-
-    def _retire_releases(self) -> None:
+    def retire_releases(self, engine: Engine) -> None:
+        """Older versions stay retained while a task out trains from them (and within S versions)."""
         needed = {self.tickets[key].version for key in self.working.values()}
-        oldest = self.version - self.settings.max_staleness  # anything older would be dropped anyway
-        for version, chunks in list(self.releases.items()):
-            if version != self.version and (version not in needed or version < oldest):
-                del self.releases[version]
-                super()._clear_release(version, chunks)
+        engine.releases.retire(engine.transport, engine.version, needed, engine.version - self.max_staleness)
 
-    # the intake's buffered rules ----------------------------------------------------
-    def _check_fresh(self, current: Round | None, device: str, answer: messages.Update | messages.Refusal,
-                     arrived: float) -> None:
+    def _stale_by(self, version: int, what: str) -> int:
+        staleness = self.version() - version
+        if staleness > self.max_staleness:
+            raise Rejected("too_stale", f"{what} was trained on model version {version}; the server is at "
+                                        f"version {self.version()}, {staleness} versions later, and accepts at most "
+                                        f"{self.max_staleness} ([schedule] max_staleness)")
+        return staleness
+
+    # the intake's buffered rules (intake.Freshness) -----------------------------------
+    def check(self, current: Round | None, device: str, answer: messages.Answer, arrived: float) -> None:
         """The answer must be to a task this device holds; an update must be trained on the version the
         task named and at most S versions behind. Consumes the ticket: whatever becomes of the answer,
         the task is done and the device may get another."""
@@ -194,46 +183,66 @@ class BufferedCoordinator(Coordinator):
         if ticket is None:
             raise Rejected("stale", f"no task {key[0]}.{key[1]} is open: it was answered, expired long ago, or "
                                     "was sent before the coordinator restarted")
-        if ticket.device != device:
-            raise Rejected("not_selected", f"task {key[0]}.{key[1]} was sent to {ticket.device}, not {device}")
+        if ticket.unit != device:
+            raise Rejected("not_selected", f"task {key[0]}.{key[1]} was sent to {ticket.unit}, not {device}")
         del self.tickets[key]
         if self.working.get(device) == key:
             del self.working[device]
         if arrived > ticket.deadline:
-            raise Rejected("late", f"task {key[0]}.{key[1]} was due at {_clock(ticket.deadline)}, the answer "
-                                   f"arrived {_clock(arrived)}")
+            raise Rejected("late", f"task {key[0]}.{key[1]} was due at {clock(ticket.deadline)}, the answer "
+                                   f"arrived {clock(arrived)}")
         if isinstance(answer, messages.Refusal):
             return
-        if self.privacy and current is not None and device in current.answered:
+        if self.private and current is not None and device in current.answered:
             raise Rejected("duplicate", f"{device} already has an update in version {current.number}'s buffer "
                                         "([privacy]: one update per device per version)")
         if answer.model_version != ticket.version:
             raise Rejected("stale", f"update was trained on model version {answer.model_version}, its task named "
                                     f"version {ticket.version}")
-        staleness = self.version - ticket.version
-        if staleness > self.settings.max_staleness:
-            raise Rejected("too_stale", f"update was trained on model version {ticket.version}; the server is at "
-                                        f"version {self.version}, {staleness} versions later, and accepts at most "
-                                        f"{self.settings.max_staleness} ([rounds] max_staleness)")
+        self._stale_by(ticket.version, "update")
 
-    def _factor(self, update: messages.Update) -> float:
-        return staleness_factor(self.settings.staleness_weight, self.version - update.model_version)
+    def factor(self, update: messages.Update) -> float:
+        return staleness_factor(self.staleness_weight, self.version() - update.model_version)
 
-    def _weight_and_steps(self, device: str, update: messages.Update) -> tuple[float, int, str]:
-        weight, steps, note = super()._weight_and_steps(device, update)
-        return weight * self._factor(update), steps, note
+    def folded(self, current: Round, device: str, update: messages.Update, weight: float) -> None:
+        factor, staleness = self.factor(update), self.version() - update.model_version
+        current.aggregate.damp(weight, factor, staleness)  # type: ignore[attr-defined]
+        current.device_metrics[device].update(staleness=staleness, staleness_factor=round(factor, 4))
+        self.in_buffer.add((update.round, update.attempt))
 
-    def _fold(self, current: Round, device: str, answer: messages.Update | messages.Refusal,
-              judged: Judged | messages.Refusal, size: int, digest: str) -> None:
-        super()._fold(current, device, answer, judged, size, digest)
-        if isinstance(answer, messages.Update) and not isinstance(judged, messages.Refusal):
-            factor, staleness = self._factor(answer), self.version - answer.model_version
-            current.aggregate.damp(judged[1], factor, staleness)  # type: ignore[attr-defined]
-            current.device_metrics[device].update(staleness=staleness, staleness_factor=round(factor, 4))
-            self.folded.add((answer.round, answer.attempt))
-
-    def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
+    def books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
         return current  # every answer is to a task of some version: it counts against the buffer it met
 
-    def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
-        return current is not None and (round_no, attempt) in self.folded
+    def still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
+        return current is not None and (round_no, attempt) in self.in_buffer
+
+    # a site's partials ----------------------------------------------------------------
+    def check_partial(self, engine: Engine, current: Round | None, site: str, partial: Partial) -> int | None:
+        """The partial must answer an open ticket of this site, once per worker, for the version the
+        task named, at most S versions behind; its staleness. The ticket is done (the site free for
+        the next task) when every worker has answered."""
+        workers = engine.topology.sites[site].workers
+        key = (partial.round, partial.attempt)
+        ticket = self.tickets.get(key)
+        if ticket is None or ticket.unit != site:
+            raise Rejected("stale", f"no task {key[0]}.{key[1]} of site {site} is open: answered, expired, or "
+                                    "sent before the coordinator restarted")
+        if not 0 <= partial.worker < workers:
+            raise Rejected("not_selected", f"worker {partial.worker} of site {site} was not expected "
+                                           f"({workers} workers configured)")
+        answered = self.answered_by.setdefault(key, set())
+        if partial.worker in answered:
+            raise Rejected("duplicate", f"worker {partial.worker} of site {site} already answered task "
+                                        f"{key[0]}.{key[1]}")
+        answered.add(partial.worker)
+        if len(answered) >= workers:  # the site's task is done: it may get the next one
+            del self.tickets[key]
+            self.answered_by.pop(key, None)
+            if self.working.get(site) == key:
+                del self.working[site]
+        if time.time() > ticket.deadline:
+            raise Rejected("late", f"task {key[0]}.{key[1]} of site {site} was due {ticket.deadline - time.time():.0f} s ago")
+        if partial.model_version != ticket.version:
+            raise Rejected("stale", f"partial folds updates to version {partial.model_version}, its task named "
+                                    f"version {ticket.version}")
+        return self._stale_by(ticket.version, f"partial of site {site}")

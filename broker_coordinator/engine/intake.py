@@ -9,24 +9,38 @@ reason, counted per reason, sent back in the receipt, and never touches the
 global model. An accepted update's receipt carries the fold's verdict on it (`verdicts`):
 folded, clipped (to what), left out (why), or pending, with a second receipt when the fold
 decides. An identical resend of an accepted update (its receipt was lost) is answered with that
-verdict again, also after its round closed, while the replay guard remembers the round. A mixin
-of `Coordinator`: it uses the coordinator's state (keys, admission, settings, trust bounds, the
-open round, `verdicts`).
+verdict again, also after its round closed, while the replay guard remembers the round.
+
+The same intake runs at the centre and at every site worker. What it judges by is its `terms` (the
+coordinator's are fixed for a run; a site's come with each site task), and what counts as fresh is
+the schedule's (`Freshness`: a sync round's number and attempt, or a buffered version's tickets).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from broker_coordinator.aggregation.robust import l2_norm
+from broker_coordinator.aggregation.trust import SampleWeights
+from broker_coordinator.engine.presence import DevicePresence
 from broker_coordinator.engine.rounds import Round
 from broker_coordinator.engine.verdicts import NOT_FOLDED, REPLAY_ROUNDS, Verdict, Verdicts
+from broker_coordinator.reporting.metrics import Metrics
+from broker_coordinator.settings import limits
 from broker_coordinator.settings.choices import STREAMING
+from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.sparse_delta import sparse_only
+from models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator")
 # an accepted update, judged: (delta, weight, steps, the weight's note, its norm if the hard bound took it)
@@ -37,30 +51,90 @@ def _clock(ts: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts))
 
 
+@dataclass
+class Terms:
+    """What an answer is judged by: the settings, objective and server rule of its round, the model's
+    shapes and the sample-weight bound."""
+    settings: RoundSettings
+    objective: Objective
+    server_rule: Any  # the algorithm's ServerRule, or a site's SiteRule
+    algorithm: str
+    specs: dict[str, tuple[int, ...]]
+    extra_specs: dict[str, tuple[int, ...]]
+    sample_weights: SampleWeights
+    max_values: int = field(init=False)
+    max_update_bytes: int = field(init=False)  # the broker's packet limit agrees
+
+    def __post_init__(self) -> None:
+        self.max_values = sum(math.prod(shape) for shape in {**self.specs, **self.extra_specs}.values())
+        self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)
+
+
+class Freshness(Protocol):
+    """The schedule's rules for which answers are still wanted, and how much an update weighs for
+    being late (engine/sync_rounds.py: rounds; engine/buffered.py: tickets)."""
+
+    def check(self, current: Round | None, device: str, answer: messages.Answer, arrived: float) -> None:
+        """Raises Rejected for an answer no open task asked for."""
+
+    def books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
+        """The open round a rejected answer to `answered` counts against."""
+
+    def still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
+        """Whether an accepted answer to (round, attempt) is still in the open aggregate."""
+
+    def factor(self, update: messages.Update) -> float:
+        """What an accepted update's weight is multiplied by (a buffered update's staleness)."""
+
+    def folded(self, current: Round, device: str, update: messages.Update, weight: float) -> None:
+        """An update was folded into `current` with this weight."""
+
+
 class UpdateIntake:
-    def _reject(self, device: str, reason: str, detail: str, current: Round | None = None) -> None:
+    def __init__(self, fed: str, terms: Terms, keys: Mapping[str, bytes], presence: DevicePresence,
+                 freshness: Freshness, verdicts: Verdicts, metrics: Metrics, store: Store | None,
+                 send: Callable[[str, bytes], None], released_sha: Mapping[int, str],
+                 closed_at: dict[int, float]) -> None:
+        self.fed, self.terms, self.presence, self.freshness = fed, terms, presence, freshness
+        self.keys: dict[str, bytes] = dict(keys)  # device -> HMAC key (from enrollment)
+        self.verdicts, self.metrics, self.store = verdicts, metrics, store
+        self.send = send  # (topic, payload): how receipts go out
+        self.released_sha = released_sha  # version -> sha256 of its release (empty at a site)
+        self.closed_at = closed_at  # round -> when it closed (shared with the schedule's freshness)
+        self.rejections: Counter[str] = Counter()
+        # (device, round, attempt) -> sha256 of the accepted payload: replay guard, and resends are recognised
+        self.accepted: dict[tuple[str, int, int], str] = {}
+        self.last_metrics: dict[str, dict[str, Any]] = {}  # what selection policies read
+
+    def closed(self, round_no: int) -> None:
+        """A round closed: the replay guard keeps only recent rounds (older answers are late anyway)."""
+        self.closed_at[round_no] = time.time()
+        self.accepted = {key: digest for key, digest in self.accepted.items() if key[1] > round_no - REPLAY_ROUNDS}
+        self.verdicts.forget(round_no - REPLAY_ROUNDS + 1)
+
+    def reject(self, device: str, reason: str, detail: str, current: Round | None = None) -> None:
         self.rejections[reason] += 1
         self.metrics.rejected.labels(reason).inc()
         if current is not None:
             current.rejected[reason] += 1
         log.warning("update from %s rejected: %s: %s", device, reason, detail)
 
-    def _on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
+    def on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
         try:
             answer = self._parse(device, data)
         except Rejected as exc:  # not readable as this device's answer: nothing to address a receipt to
-            self.pending_until.pop(device, None)
+            self.presence.pending_until.pop(device, None)
             self._rejected(current, device, exc)
             return
-        if self.pending_round.get(device, answer.round) == answer.round:  # not a resend of an older answer
-            self.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
+        if self.presence.pending_round.get(device, answer.round) == answer.round:  # not a resend of an older answer
+            self.presence.pending_until.pop(device, None)  # whatever its fate, the device is no longer busy with it
         key = (answer.round, answer.attempt)
         try:
             judged = self._judge(current, device, answer, data, arrived)
         except Rejected as exc:
             # booked to the round and attempt it answered: an answer to a closed round is not the open
             # round's rejection (it is logged, counted and stored under the round it names)
-            self._rejected(self._books_to(current, key), device, exc, key)
+            self._rejected(self.freshness.books_to(current, key), device, exc, key)
             vouch = (device, *key) not in self.accepted and (
                 self._remembers(answer.round) or (current is not None and answer.round == current.number))
             self._receipt(device, key, exc, Verdict(NOT_FOLDED if vouch else ""))
@@ -74,7 +148,7 @@ class UpdateIntake:
                   answered: tuple[int, int] | None = None) -> None:
         """Count and log a rejection; book it to `current` (the round it answered, or for an unreadable
         message the round it arrived in) and store it under the (round, attempt) it answered."""
-        self._reject(device, exc.reason, exc.detail, current)
+        self.reject(device, exc.reason, exc.detail, current)
         where = answered or ((current.number, current.attempt) if current is not None else None)
         if self.store and where is not None:
             self.store.record_device_round(*where, device, False, exc.reason, None)
@@ -104,14 +178,14 @@ class UpdateIntake:
         delta, weight, steps, weight_note, norm = judged
         if weight_note:
             current.weights_clipped += 1
-        model_delta = sparse_only(delta, self.specs)  # the fold's fast paths take a SparseDelta
+        model_delta = sparse_only(delta, self.terms.specs)  # the fold's fast paths take a SparseDelta
         mark = Verdicts.mark(current.aggregate, device)
         current.aggregate.add(device, model_delta, weight, steps, norm=norm)
         verdict = self.verdicts.on_fold(current.aggregate, (device, answer.round, answer.attempt), model_delta,
-                                        self.settings.aggregator in STREAMING, mark)
-        if self.extras is not None:
-            self.extras.add({name: delta[name] for name in self.extra_specs}, 1.0)
-        self.server_rule.observe(device, answer.num_samples, answer.metrics)
+                                        self.terms.settings.aggregator in STREAMING, mark)
+        if current.extras is not None:
+            current.extras.add({name: delta[name] for name in self.terms.extra_specs}, 1.0)
+        self.terms.server_rule.observe(device, answer.num_samples, answer.metrics)
         # a device evaluates the model it received (buffered: its task's version, maybe an older one)
         if (evaluation := self._evaluation_in(device, answer.metrics)) is not None:
             current.evaluations[device] = evaluation
@@ -131,14 +205,15 @@ class UpdateIntake:
         if self.store:
             self.store.record_device_round(answer.round, answer.attempt, device, True, None,
                                            current.device_metrics[device], verdict.kind, verdict.detail)
-        self._flushed(current)
+        self.flushed(current)
+        self.freshness.folded(current, device, answer, weight)
 
-    def _flushed(self, current: Round) -> None:
+    def flushed(self, current: Round) -> None:
         """Pending updates the fold has decided (a cold start's flush, or the close): their final receipts."""
         for key, verdict in self.verdicts.settle(current.aggregate):
             self._final_receipt(key, verdict)
 
-    def _abandoned(self, rnd: Round) -> None:
+    def abandoned(self, rnd: Round) -> None:
         """An abandoned attempt folded nothing: every update it accepted is left out, and told so."""
         for key, verdict in self.verdicts.abandon(rnd.number, rnd.attempt, rnd.reason):
             self._final_receipt(key, verdict)
@@ -157,10 +232,10 @@ class UpdateIntake:
         named = metrics.get("eval_metric")
         if (not isinstance(count, int) or isinstance(count, bool) or count <= 0
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (score, loss))
-                or named != self.objective.metric):
+                or named != self.terms.objective.metric):
             log.warning("update from %s: its evaluation (eval_metric %r, eval_score %r, eval_count %r) is not a "
                         "%s measurement; left out of the round's evaluation", device, named, score, count,
-                        self.objective.metric)
+                        self.terms.objective.metric)
             self.metrics.rejected.labels("evaluation").inc()
             return None
         return float(score), float(loss), count
@@ -170,14 +245,12 @@ class UpdateIntake:
         """Tell the device what became of its answer (round, attempt), so that it stops resending, or
         says why in its log: for an accepted update, the fold's verdict; for a rejection, whether
         this coordinator vouches that it never accepted it (`not_folded`)."""
-        if self.session is None:
-            return
         verdict = verdict or Verdict("")
         if rejected is not None:
             receipt = messages.Receipt(*answer, False, rejected.reason, rejected.detail[:1000], verdict.kind, 0.0)
         else:
             receipt = messages.Receipt(*answer, True, "", verdict.detail[:1000], verdict.kind, verdict.scale)
-        self.session.publish(topics.receipt(self.fed, device), messages.encode("receipt", receipt), qos=1)
+        self.send(topics.receipt(self.fed, device), messages.encode("receipt", receipt))
 
     def _remembers(self, round_no: int) -> bool:
         """Whether every update accepted for `round_no` is still in the replay guard: a round this
@@ -189,24 +262,24 @@ class UpdateIntake:
         steps = update.metrics.get("steps", 1)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise Rejected("schema", f"metric 'steps' must be a positive integer, got {steps!r}")
-        trusted = self.sample_weights.weigh(device, update.num_samples)
+        trusted = self.terms.sample_weights.weigh(device, update.num_samples)
         if trusted.note:
             self.metrics.bounded.labels("weight").inc()
             log.info("update from %s: %s", device, trusted.note)  # routine for a large shard; counted
         try:
-            weight = float(self.server_rule.weight(trusted.weight, update.metrics))
+            weight = float(self.terms.server_rule.weight(trusted.weight, update.metrics))
         except (ValueError, TypeError, KeyError) as exc:
-            raise Rejected("schema", f"metrics unusable by {self.algorithm.name}: {exc}") from None
+            raise Rejected("schema", f"metrics unusable by {self.terms.algorithm}: {exc}") from None
         if not (weight > 0 and weight < float("inf")):
             raise Rejected("schema", f"aggregation weight {weight} is not positive and finite")
-        return weight, steps, trusted.note
+        return weight * self.freshness.factor(update), steps, trusted.note
 
     def _parse(self, device: str, data: bytes) -> messages.Answer:
         """Admission, size cap and the device's signature (before anything is parsed), then the header."""
-        refused = self.admission(device) if self.admission else None
+        refused = self.presence.admission(device) if self.presence.admission else None
         if refused:
             raise Rejected(*refused)
-        answer = messages.decode_answer(data, self.max_update_bytes, self.device_keys.get(device), device)
+        answer = messages.decode_answer(data, self.terms.max_update_bytes, self.keys.get(device), device)
         if answer.device != device:
             raise Rejected("sender", f"topic says {device} but the update claims {answer.device}")
         if answer.federation != self.fed:
@@ -224,11 +297,11 @@ class UpdateIntake:
             if self.accepted[key] == hashlib.sha256(data).hexdigest():
                 log.info("update from %s for round %d (attempt %d) arrived again; receipt re-sent%s",
                          device, answer.round, answer.attempt,
-                         "" if self._still_open(current, answer.round, answer.attempt) else " (its round is over)")
+                         "" if self.freshness.still_open(current, answer.round, answer.attempt) else " (its round is over)")
                 return None
             raise Rejected("replay", f"{device} already had an update accepted for round {answer.round} "
                                      f"(attempt {answer.attempt})")
-        self._check_fresh(current, device, answer, arrived)
+        self.freshness.check(current, device, answer, arrived)
         if isinstance(answer, messages.Refusal):
             return answer
         assert current is not None  # _check_fresh rejects an answer when no round is open
@@ -236,50 +309,20 @@ class UpdateIntake:
             asked = "an update" if current.train else "an evaluation report (evaluation-only round)"
             raise Rejected("schema", f"round {current.number} asked {device} for {asked}")
         if isinstance(answer, messages.EvalReport):
-            if answer.metric != self.objective.metric:
+            if answer.metric != self.terms.objective.metric:
                 raise Rejected("schema", f"evaluation report measures {answer.metric!r}; this federation's "
-                                         f"metric is {self.objective.metric!r}")
+                                         f"metric is {self.terms.objective.metric!r}")
             return answer
         released = self.released_sha.get(answer.model_version)
         reported = answer.metrics.get("model_sha")
         if released and isinstance(reported, str) and reported and not released.startswith(reported):
             raise Rejected("wrong_base", f"update was trained on model {reported[:16]}, but version "
                                          f"{answer.model_version} is {released[:16]} (a model of an earlier run?)")
-        if answer.codec != codec.parse(self.settings.codec).name:
-            raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.settings.codec!r}")
-        delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.specs, **self.extra_specs},
-                             self.max_values)
-        bound, norm = self.settings.max_update_norm, None
-        if bound and (norm := l2_norm(sparse_only(delta, self.specs))) > bound:
+        if answer.codec != codec.parse(self.terms.settings.codec).name:
+            raise Rejected("codec", f"update uses codec {answer.codec!r}, the task asked for {self.terms.settings.codec!r}")
+        delta = codec.decode(answer.codec, answer.specs, answer.body, {**self.terms.specs, **self.terms.extra_specs},
+                             self.terms.max_values)
+        bound, norm = self.terms.settings.max_update_norm, None
+        if bound and (norm := l2_norm(sparse_only(delta, self.terms.specs))) > bound:
             raise Rejected("norm", f"update norm {norm:.4g} exceeds the bound {bound:.4g}")
         return (delta, *self._weight_and_steps(device, answer), norm)
-
-    def _books_to(self, current: Round | None, answered: tuple[int, int]) -> Round | None:
-        """The open round a rejected answer to `answered` counts against: the one it answered, if open."""
-        return current if current is not None and (current.number, current.attempt) == answered else None
-
-    def _still_open(self, current: Round | None, round_no: int, attempt: int) -> bool:
-        """Whether an accepted answer to (round, attempt) is still in the open aggregate (a resend of it
-        is answered again, not rejected as a replay)."""
-        return current is not None and (current.number, current.attempt) == (round_no, attempt)
-
-    def _check_fresh(self, current: Round | None, device: str, answer: messages.Answer, arrived: float) -> None:
-        if answer.round in self.closed_at and (current is None or answer.round != current.number):
-            raise Rejected("late", f"round {answer.round} closed at {_clock(self.closed_at[answer.round])}, "
-                                   f"update arrived {_clock(arrived)}")
-        if current is None or answer.round != current.number:
-            open_round = f"round {current.number} is open" if current else "no round is open"
-            raise Rejected("stale", f"update is for round {answer.round}; {open_round}")
-        if answer.attempt != current.attempt:
-            raise Rejected("stale", f"update is for attempt {answer.attempt} of round {answer.round}; "
-                                    f"attempt {current.attempt} is open")
-        if arrived > current.deadline:
-            raise Rejected("late", f"round {current.number} closed at {_clock(current.deadline)}, "
-                                   f"update arrived {_clock(arrived)}")
-        if device not in current.cohort:
-            raise Rejected("not_selected", f"{device} was not selected for round {current.number}")
-        if device in current.answered or device in current.refused:
-            raise Rejected("duplicate", f"{device} already answered round {current.number}")
-        if not isinstance(answer, messages.Refusal) and answer.model_version != current.base_version:
-            raise Rejected("stale", f"update was trained on model version {answer.model_version}, "
-                                    f"round {current.number} distributed version {current.base_version}")

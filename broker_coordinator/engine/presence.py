@@ -1,30 +1,44 @@
-"""Which devices are online, idle and admitted: a mixin of `Coordinator`.
+"""Which devices (or sites) are online, idle and admitted.
 
 Presence is learnt from the devices' retained statuses (online with their
 hardware profile and whether they are busy; offline by their will). A device
 tasked for a round is not selected again until its status says it is idle and
 done with that round, or the round's deadline has passed. Only devices the
 registry admits are ever selected, since anyone enrolled could leave a status.
+
+In a federation in sites the centre's units are sites: `SitePresence` reads the
+status each site's leader publishes (its online and eligible device counts).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from broker_coordinator.engine.rounds import RoundFailed
+from broker_coordinator.reporting.metrics import Metrics
+from broker_coordinator.storage.store import Store
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
 
 log = logging.getLogger("broker_coordinator")
 PRESENCE_FLUSH = 1.0  # seconds a buffered status waits at most while messages keep arriving
 
+# device -> None (admitted) or (reason, detail); e.g. Registry.admission, which rejects unknown and
+# revoked devices. None: every device the broker lets in is admitted (simulate).
+Admission = Callable[[str], "tuple[str, str] | None"]
+
 
 class DevicePresence:
-    """Uses the coordinator's online, pending_until, pending_round, admission, store, metrics and _drain."""
+    def __init__(self, store: Store | None, metrics: Metrics, admission: Admission | None = None) -> None:
+        self.store, self.metrics, self.admission = store, metrics, admission
+        self.online: dict[str, dict[str, Any]] = {}
+        self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
+        self.pending_round: dict[str, int] = {}
+        self._admitted: tuple[float, set[str] | None] = (0.0, None)  # (when, devices the registry admits)
 
-    def _on_status(self, device: str, payload: bytes) -> None:
+    def on_status(self, device: str, payload: bytes) -> None:
         if not payload:  # its retained status cleared (`devices revoke` and `rotate` do, the broker sends no will)
             self.online.pop(device, None)
             if self.store:
@@ -49,7 +63,13 @@ class DevicePresence:
             self.store.record_presence(device, status.state == "online", dict(status.profile))
         self.metrics.online.set(len(self.online))
 
-    def _flush_presence(self, quiet: bool) -> None:
+    def tasked(self, devices: set[str] | list[str], round_no: int, deadline: float) -> None:
+        """Busy with a task until it answers, its status says it is done, or the deadline."""
+        for device in devices:
+            self.pending_until[device] = deadline
+            self.pending_round[device] = round_no
+
+    def flush(self, quiet: bool) -> None:
         """The store buffers statuses: write them in one transaction when the inbox is quiet, and once
         a second while a stream of them (a reconnect's retained statuses) keeps arriving."""
         if self.store:
@@ -62,6 +82,12 @@ class DevicePresence:
         return [d for d, profile in self.online.items()
                 if not profile.get("busy") and d not in self.pending_until and self._is_admitted(d)]
 
+    def eligible_devices(self) -> int:
+        return len(self.eligible())
+
+    def population(self) -> int:
+        return len(self.online)
+
     def _is_admitted(self, device: str) -> bool:
         """Presence comes from retained statuses anyone enrolled could have left: only devices the
         registry admits (active, not revoked) are selected. Answers are cached for a few seconds."""
@@ -73,29 +99,38 @@ class DevicePresence:
             self._admitted = (time.monotonic(), admitted)
         return device in admitted
 
-    def _settle_presence(self, quiet: float = 0.5, limit: float = 5.0) -> None:
-        """After (re)connecting, read the retained statuses until they stop arriving, so the first
-        cohort is chosen from every device that is online, not from the first few to be heard."""
-        give_up, last = time.monotonic() + limit, len(self.online)
-        quiet_since = time.monotonic()
-        while time.monotonic() < give_up and time.monotonic() - quiet_since < quiet:
-            self._drain(0.1)
-            if len(self.online) != last:
-                last, quiet_since = len(self.online), time.monotonic()
-        self._presence_settled = True
 
-    def wait_for_devices(self, count: int, timeout: float, progress: Callable[[int, int], None] | None = None) -> None:
-        give_up = time.monotonic() + timeout
-        last_seen = -1
-        while len(self.eligible()) < count:
-            if self.stopping.is_set():
-                raise RoundFailed("shutting down")
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"only {len(self.eligible())} of {count} devices were online and idle "
-                                   f"within {timeout:.0f} s")
-            if progress and len(self.online) != last_seen:
-                last_seen = len(self.online)
-                progress(last_seen, count)
-            self._drain(0.2)
-        if progress:
-            progress(len(self.online), count)
+class SitePresence:
+    """The sites online, from the statuses their leaders keep retained (`site_aggregator`)."""
+
+    def __init__(self) -> None:
+        self.online: dict[str, dict[str, Any]] = {}
+
+    def on_status(self, site: str, payload: bytes) -> None:
+        try:
+            status = messages.decode_status(payload) if payload else None
+        except Rejected as exc:
+            log.warning("status of site %s ignored: %s", site, exc)
+            return
+        if status is None or status.state != "online":
+            self.online.pop(site, None)
+        else:
+            self.online[site] = dict(status.profile)
+
+    def flush(self, quiet: bool) -> None:
+        """Site statuses are not stored."""
+
+    def eligible(self) -> list[str]:
+        """Sites online with at least one eligible device."""
+        return [s for s, p in self.online.items() if count_of(p, "eligible") > 0]
+
+    def eligible_devices(self) -> int:
+        return sum(count_of(self.online[site], "eligible") for site in self.eligible())
+
+    def population(self) -> int:
+        return sum(count_of(p, "online") for p in self.online.values())
+
+
+def count_of(profile: Mapping[str, Any], key: str) -> int:
+    value = profile.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0

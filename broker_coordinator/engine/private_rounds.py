@@ -68,7 +68,7 @@ class PrivateRounds:
         """`buffer_size` K > 0: buffered mode. Who lands in a buffer depends on arrival times, not on
         a sampling the accountant can model, so each version is accounted as a release in which
         every device may take part (rate 1, no amplification by sampling); the fold divides by K,
-        and a device lands at most once in a buffer (`BufferedCoordinator`), so one device still
+        and a device lands at most once in a buffer (`buffered.BufferedVersions`), so one device still
         moves the pre-noise sum by at most C."""
         if population < 1:
             raise ValueError("[privacy] needs the number of devices a cohort is drawn from: set [privacy] "

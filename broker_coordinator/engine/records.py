@@ -1,6 +1,7 @@
 """What a round leaves behind: its record (participants, verdicts on each update, scores, bytes) and
-the checkpoint of everything the next round needs. A mixin of `Coordinator`: it reads the closed
-round and the coordinator's state, and logs and counts the fold's verdicts on the way."""
+what the fold did to each update. It reads the closed round and the fold's report, and logs and
+counts the fold's verdicts on the way; a topology adds its own (`tree`: counts of devices, not of
+partials)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.fold import FoldReport
+from broker_coordinator.engine.private_rounds import PrivateRounds
+from broker_coordinator.engine.verdicts import Verdicts
+from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.engine.rounds import Round
 from broker_coordinator.reporting.evaluation import federated_score
 from broker_coordinator.settings.round_settings import RoundRecord
-from broker_coordinator.storage.store import Checkpoint
-from models.objectives import Evaluation
+from models.objectives import Evaluation, Objective
 
 log = logging.getLogger("broker_coordinator")
 
@@ -28,24 +32,12 @@ def record_row(record: RoundRecord) -> dict[str, Any]:
 
 
 class RoundRecords:
-    def _checkpoint(self, record: RoundRecord) -> Checkpoint:
-        """The model, the server rule's and the trust bounds' state and the record of the round just
-        closed: what a restarted coordinator resumes from."""
-        return Checkpoint(record.round, self.version, self.arch, self.weights, record.model_sha256,
-                          self.server_rule.state(), record_row(record),
-                          self.served.weights if self.settings.serve_average else None,
-                          self._trust_state(),
-                          self.broadcast.state() if self.broadcast else {},
-                          server_optimizer=self.server_optimizer.state())
+    def __init__(self, metrics: Metrics, verdicts: Verdicts, consensus: Consensus, objective: Objective,
+                 privacy: PrivateRounds | None) -> None:
+        self.metrics, self.verdicts, self.consensus = metrics, verdicts, consensus
+        self.objective, self.privacy = objective, privacy
 
-    def _trust_state(self) -> dict:
-        """What the fold has learnt about its devices (bounds, standing, the centre, the privacy
-        ledger): checkpointed so that a restart judges the next update as the last run would have."""
-        return {"weights": self.sample_weights.state(), "norms": self.norm_bound.state(),
-                "radius": self.radius.state(), "consensus": self.consensus.state(), "center": self.center,
-                **({"privacy": self.privacy.state()} if self.privacy else {})}
-
-    def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
+    def record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                 central: Evaluation | None = None) -> RoundRecord:
         report = rnd.aggregate.report()
         clipped = {"norm": len(report.clipped)} if report.clipped else {}
@@ -95,7 +87,7 @@ class RoundRecords:
             rnd.device_metrics.setdefault(device, {})["clipped_norm"] = f"{norm:.4g} -> {bound:.4g}"
         if report.gated:
             clipped["direction"] = len(report.gated)
-        left_out = self._left_out(rnd, report, closed)
+        left_out = self.left_out(rnd, report, closed)
         unvoted = report.unvoted
         if unvoted is not None:
             self.metrics.unvoted.set(unvoted)
@@ -114,7 +106,7 @@ class RoundRecords:
                            privacy=self.privacy.summary() if self.privacy else {},
                            unvoted=unvoted)
 
-    def _left_out(self, rnd: Round, report: FoldReport, closed: str) -> float:
+    def left_out(self, rnd: Round, report: FoldReport, closed: str) -> float:
         """The fraction of the round's accepted updates the fold left out (an abandoned attempt folded
         none), also a Prometheus gauge; each device's verdict goes into its entry of the record."""
         count = report.count if rnd.train else 0

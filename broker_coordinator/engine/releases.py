@@ -15,7 +15,7 @@ to a topic of its own; the broker delivers the retained manifests of a subscript
 later message on the same connection, so once the marker is back every retained manifest is in.
 
 With `downlink = "delta"` there are two models (edgefl_protocol/delta_downlink.py):
-`self.weights` is the global model G, which the server rule updates; `self.broadcast`
+the engine's weights are the global model G, which the server rule updates; its `broadcast`
 holds B, exactly what devices rebuild from lossy deltas, which they train from
 and their deltas are relative to. G - B is what the downlink still owes (the
 server's error feedback). B is the federation's model: it is evaluated
@@ -23,9 +23,12 @@ server's error feedback). B is the federation's model: it is evaluated
 because G runs ahead of what devices trained from (in bench/downlink.py G
 scored 2-4 points below B). Both are checkpointed (G as `weights`, B with its
 deltas under `downlink`); round records add G's score (`global_score`). B
-moves towards G once per version, in `_conclude` (so the checkpoint holds both
-and a restart re-derives the same deltas) and, for any other path that makes a
-version, in `_publish_model`.
+moves towards G once per version, when the engine concludes it (so the checkpoint
+holds both and a restart re-derives the same deltas) and, for any other path that
+makes a version, in `ModelReleases.publish`.
+
+Sync rounds clear the previous version's retained copies when they publish the next; buffered
+versions keep a version retained while a task that names it is out (`keep_older`, `retire`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import numpy as np
 from broker_coordinator.engine.rounds import RoundFailed
 from edgefl_protocol import downlink, messages, topics
 from edgefl_protocol.transport import Session
+from broker_coordinator.engine.transport import Transport
+from edgefl_protocol.delta_downlink import Broadcast
 
 log = logging.getLogger("broker_coordinator")
 RELEASES_REMEMBERED = 64  # versions whose release hash intake checks updates against
@@ -85,66 +90,82 @@ def newest_retained_version(session: Session, fed: str, timeout: float = 60.0, a
 
 
 class ModelReleases:
-    """The coordinator's releases (a mixin of `Coordinator`: it uses its session, settings, model
-    and server rule)."""
+    """What the engine published of each version: the retained payloads of the current one (re-sent
+    after a broker restart), the release hash of recent versions (intake checks updates against
+    them), and, for a buffered schedule, the older versions tasks still train from."""
 
-    def _skip_released_versions(self) -> None:
-        """Start past any version an earlier run left retained (`newest_retained_version`)."""
-        assert self.session is not None
-        newest = newest_retained_version(self.session, self.fed)
-        if newest is None or newest < self.version or (newest == self.version and self._resumed):
-            return
+    def __init__(self, fed: str, arch: str, fingerprint: str, model_codec: str, chunk_bytes: int,
+                 downlink_chain: int, keep_older: bool = False) -> None:
+        self.fed, self.arch, self.fingerprint = fed, arch, fingerprint
+        self.model_codec, self.chunk_bytes, self.downlink_chain = model_codec, chunk_bytes, downlink_chain
+        self.keep_older = keep_older
+        # version -> sha256 of its release: intake rejects an update whose reported base is another model
+        self.sha: dict[int, str] = {}
+        self.payloads: list[tuple[str, bytes]] = []  # retained (topic, payload) of the current model
+        self.published: tuple[int, int] | None = None  # (version, chunks) of the retained model
+        self.older: dict[int, int] = {}  # keep_older: older versions still retained (version -> chunks)
+        self._retained_deltas: set[str] = set()  # delta topics retained on the broker
+
+    def skip_released_versions(self, transport: Session, version: int, resumed: bool) -> int:
+        """The first version this run may use: past any version an earlier run left retained
+        (`newest_retained_version`)."""
+        newest = newest_retained_version(transport, self.fed)
+        if newest is None or newest < version or (newest == version and resumed):
+            return version
         log.warning("model version %d is retained on the broker from an earlier run of federation %s; this "
                     "run's versions start at %d, so that no version names two models", newest, self.fed, newest + 1)
         # confirmed before going on: a device must never find the old manifest once this run has started
-        self.session.publish_until(topics.model(self.fed, newest), b"", time.time() + 30, retain=True)
-        self.version = newest + 1
+        transport.publish_until(topics.model(self.fed, newest), b"", time.time() + 30, retain=True)
+        return newest + 1
 
-    def _served_from(self) -> dict[str, np.ndarray]:
-        """The federation's model: B with a delta downlink (what every device holds), else G."""
-        return self.weights if self.broadcast is None else {n: self.broadcast.tensors[n] for n in self.weights}
-
-    def _release_tensors(self) -> dict[str, np.ndarray]:
-        return {**self.weights, **self.server_rule.broadcast_tensors()}  # e.g. FedSMOO's global perturbation
-
-    def _publish_model(self, deadline: float) -> None:
+    def publish(self, transport: Transport, version: int, tensors: dict[str, np.ndarray],
+                broadcast: Broadcast | None, deadline: float) -> None:
         """Once per version: retained chunks, the retained deltas (downlink = "delta"), then the retained
-        manifest; clear the previous version and the deltas that left the chain."""
-        assert self.session is not None
-        if self._published and self._published[0] == self.version:
+        manifest; clear the previous version (unless tasks still need it) and the deltas that left the
+        chain."""
+        if self.published and self.published[0] == version:
             return
-        tensors, chain, deltas = self._release_tensors(), [], []
-        if self.broadcast is not None:  # the full model is B too: exactly what the deltas reconstruct
-            tensors = self.broadcast.advance(tensors, self.version)
-            chain = self.broadcast.manifest_chain()
-            deltas = [(topics.model_delta(self.fed, v), d) for v, d in sorted(self.broadcast.deltas.items())]
-        manifest, chunks = downlink.release(self.version, self.arch, tensors, self.settings.model_codec,
-                                            self.settings.model_chunk_bytes, self.fingerprint, chain)
-        self.released_sha[self.version] = manifest.sha256
-        for old in sorted(self.released_sha)[:-RELEASES_REMEMBERED]:
-            del self.released_sha[old]
-        self._model_payloads = [(topics.model_chunk(self.fed, self.version, i), c) for i, c in enumerate(chunks)]
-        self._model_payloads += deltas + [(topics.model(self.fed, self.version), messages.encode("model", manifest))]
-        for topic, payload in self._model_payloads:
+        chain, deltas = [], []
+        if broadcast is not None:  # the full model is B too: exactly what the deltas reconstruct
+            tensors = broadcast.advance(tensors, version)
+            chain = broadcast.manifest_chain()
+            deltas = [(topics.model_delta(self.fed, v), d) for v, d in sorted(broadcast.deltas.items())]
+        manifest, chunks = downlink.release(version, self.arch, tensors, self.model_codec, self.chunk_bytes,
+                                            self.fingerprint, chain)
+        self.sha[version] = manifest.sha256
+        for old in sorted(self.sha)[:-RELEASES_REMEMBERED]:
+            del self.sha[old]
+        self.payloads = [(topics.model_chunk(self.fed, version, i), c) for i, c in enumerate(chunks)]
+        self.payloads += deltas + [(topics.model(self.fed, version), messages.encode("model", manifest))]
+        for topic, payload in self.payloads:
             if topic in self._retained_deltas:
                 continue  # retained since an earlier version
-            if not self.session.publish_until(topic, payload, deadline, retain=True):
-                raise RoundFailed(f"could not publish model version {self.version} before the deadline")
+            if not transport.publish_until(topic, payload, deadline, retain=True):
+                raise RoundFailed(f"could not publish model version {version} before the deadline")
         kept = {topic for topic, _ in deltas}
         # after a start, deltas an earlier run left retained are not known: clear the recent versions'
-        stale = self._retained_deltas if self._published else {
-            topics.model_delta(self.fed, v) for v in range(max(1, self.version - 2 * self.settings.downlink_chain),
-                                                           self.version + 1)} if self.broadcast else set()
+        stale = self._retained_deltas if self.published else {
+            topics.model_delta(self.fed, v) for v in range(max(1, version - 2 * self.downlink_chain),
+                                                           version + 1)} if broadcast else set()
         for topic in sorted(stale - kept):
-            self.session.publish(topic, b"", qos=1, retain=True)
+            transport.publish(topic, b"", retain=True)
         self._retained_deltas = kept
-        if self._published:  # clear the previous version's retained copies
-            self._clear_release(*self._published)
-        self._published = (self.version, len(chunks))
+        if self.published:
+            if self.keep_older:  # tasks out may still need it: `retire` clears it
+                self.older[self.published[0]] = self.published[1]
+            else:
+                self.clear(transport, *self.published)
+        self.published = (version, len(chunks))
 
-    def _clear_release(self, version: int, chunks: int) -> None:
+    def retire(self, transport: Transport, current: int, needed: set[int], oldest: int) -> None:
+        """Clear the older versions no task out names, and those older than `oldest`."""
+        for version, chunks in list(self.older.items()):
+            if version != current and (version not in needed or version < oldest):
+                del self.older[version]
+                self.clear(transport, version, chunks)
+
+    def clear(self, transport: Transport, version: int, chunks: int) -> None:
         """Remove a model version's retained manifest and chunks from the broker."""
-        assert self.session is not None
-        self.session.publish(topics.model(self.fed, version), b"", qos=1, retain=True)
+        transport.publish(topics.model(self.fed, version), b"", retain=True)
         for i in range(chunks):
-            self.session.publish(topics.model_chunk(self.fed, version, i), b"", qos=1, retain=True)
+            transport.publish(topics.model_chunk(self.fed, version, i), b"", retain=True)

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from broker_coordinator.aggregation.fold import Fold
+from broker_coordinator.aggregation.streaming import StreamingMean
 
 
 class RoundFailed(Exception):
@@ -65,6 +66,9 @@ class Round:
     train: bool = True  # False: an evaluation-only round (devices report, the model stays)
     evaluations: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # device -> score, loss, count
     evaluated: dict[str, int] = field(default_factory=dict)  # device -> the model version it evaluated
+    # tensors an algorithm sends beside the delta (FedSMOO's mu), averaged uniformly over the round
+    extras: StreamingMean | None = None
+    shares: dict[str, int] = field(default_factory=dict)  # sites: site -> devices it selects (0: all)
 
     def move(self, new: RoundState, reason: str = "") -> None:
         if new not in NEXT[self.state]:

@@ -1,7 +1,7 @@
 """Who trains this round.
 
 - `random` (default): a uniform sample of the eligible devices.
-- `stability` (DR-SAM, DRSAM.md 5): prefer devices whose last report had
+- `stability` (DR-SAM, docs/DRSAM.md "Server side"): prefer devices whose last report had
   tau < 0.15 and gamma > 0.7, and devices with no history; at least half of the
   cohort is still drawn uniformly from all eligible devices so that hard
   non-IID devices are not starved.

@@ -2,8 +2,8 @@
 their updates, and sends one signed partial per round attempt up the bridge (see `partials`).
 
 Validation and the fold are the coordinator's own (`intake.UpdateIntake`, `robust.RobustRound`,
-`trust`): this class only supplies the state they read. Presence (`_on_status`, `eligible`) is
-the coordinator's too. Several workers may serve one site: each subscribes to the devices'
+`trust`), held by the worker with the terms of each site task. Presence (`presence.DevicePresence`)
+is the coordinator's too. Several workers may serve one site: each subscribes to the devices'
 updates through a shared subscription (`$share/<group>/...`), so the broker hands every update to
 exactly one of them, and each sends a partial of what it folded; the coordinator adds them up.
 Worker 0 (the leader) also selects the devices, tasks them and reports the site's presence.
@@ -37,12 +37,10 @@ as `stability` treats any newcomer).
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,13 +53,14 @@ from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.votes import vote_fields
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import NormBound, SampleWeights
-from broker_coordinator.engine.intake import UpdateIntake
+from broker_coordinator.engine.intake import Terms, UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
+from broker_coordinator.engine.sync_rounds import RoundFreshness
+from broker_coordinator.engine.transport import InMemoryTransport, MqttTransport, Transport
 from broker_coordinator.engine.rounds import Round, RoundState
 from broker_coordinator.engine.selection import POLICIES, select
-from broker_coordinator.engine.verdicts import REPLAY_ROUNDS, Verdicts
+from broker_coordinator.engine.verdicts import Verdicts
 from broker_coordinator.reporting.metrics import Metrics
-from broker_coordinator.settings import limits
 from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol import algorithms, codec, messages, topics
 from edgefl_protocol.algorithms.base import ServerRule
@@ -78,7 +77,6 @@ from edgefl_protocol.site_partials import (
     summarize,
 )
 from edgefl_protocol.topics import site_topic
-from edgefl_protocol.transport import Session
 from models.architectures import build_model, get_weights
 from models.objectives import Objective
 
@@ -142,47 +140,40 @@ class SiteRule:
         self.rule.observe(device, num_samples, ReadKeys(metrics, self.reads))
 
 
-class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's, from the same retained statuses
+class SiteWorker:
+    """One worker of a site: the coordinator's presence, intake and fold on the site's devices."""
 
     def __init__(self, federation: str, site: str, arch: str, site_key: bytes, device_keys: dict[str, bytes],
                  worker: int = 0, share_group: str = "edgefl", seed: int = 0) -> None:
         self.fed = topics.check_name("federation", federation)
         self.site = topics.check_name("site", site)
         self.worker, self.share_group, self.site_key = worker, share_group, site_key
-        self.device_keys = dict(device_keys)
         self.specs = codec.specs_of(get_weights(build_model(arch)))
-        self.extra_specs: dict[str, tuple[int, ...]] = {}
-        self.settings = RoundSettings(aggregator="mean")
-        self.algorithm = algorithms.get(self.settings.algorithm)
-        self.server_rule = self.algorithm.server(self.settings.task_hparams(1))
-        self.extras: StreamingMean | None = None
-        self.max_values = sum(math.prod(s) for s in self.specs.values())
-        self.max_update_bytes = limits.update_cap(self.specs)
-        self.metrics, self.store, self.admission = Metrics(), None, None
-        self.objective = Objective()
-        self.rejections: Counter[str] = Counter()
-        self.accepted: dict[tuple[str, int, int], str] = {}
-        self.released_sha: dict[int, str] = {}  # the centre releases the models: no hash to check them against
+        self.metrics = Metrics()
         self.verdicts = Verdicts()  # the same verdict receipts as the coordinator's (engine/verdicts.py)
-        self.closed_at: dict[int, float] = {}
-        self.last_metrics: dict[str, dict[str, Any]] = {}
-        self.online: dict[str, dict[str, Any]] = {}
-        self.pending_until: dict[str, float] = {}
-        self.pending_round: dict[str, int] = {}
-        self._admitted: tuple[float, set[str] | None] = (0.0, None)
-        self.rules: dict[str, Any] | None = None
+        self.presence = DevicePresence(None, self.metrics)  # as the coordinator's, from the same retained statuses
+        self.transport: Transport = InMemoryTransport()  # until `connect`
         self.sample_weights = SampleWeights()
         self.norm_bound = NormBound()
         self.radius = NormBound()  # centered_clip: distances of this site's devices from the round's centre
         self.consensus = Consensus()  # centered_clip: its devices' standing by agreement with their rounds
+        self.server_rule: SiteRule | Any = None  # the round's (each site task names its algorithm)
+        closed_at: dict[int, float] = {}
+        settings = RoundSettings(aggregator="mean")
+        algorithm = algorithms.get(settings.algorithm)
+        terms = Terms(settings, Objective(), algorithm.server(settings.task_hparams(1)), algorithm.name, self.specs,
+                      {}, self.sample_weights)
+        # the centre releases the models: no release hash to check updates against
+        self.intake = UpdateIntake(self.fed, terms, device_keys, self.presence, RoundFreshness(closed_at),
+                                   self.verdicts, self.metrics, None,
+                                   lambda topic, payload: self.transport.publish(topic, payload), {}, closed_at)
+        self.rules: dict[str, Any] | None = None
         self.rng = random.Random(f"{seed}/{site}")
         self.current: Round | None = None
         self.sent: set[tuple[int, int]] = set()  # (round, attempt) whose partial went up
         self.seen: set[str] = set()  # devices of the current round with an accepting receipt
         self.partials_sent = 0
-        self.inbox: queue.Queue[tuple[str, bytes, float, bool]] = queue.Queue()
         self.stopping = threading.Event()
-        self.session: Session | None = None
         self._status_at, self._status_sent = 0.0, None
 
     @property
@@ -194,11 +185,10 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                 timeout: float = 30.0) -> None:
         will = (site_topic(self.fed, self.site, "status"),
                 messages.encode("status", messages.Status(self.site, "offline"))) if self.leader else None
-        self.session = Session(username, username, password, host, port, on_connect=self._on_connect,
-                               on_message=lambda c, msg: self.inbox.put((msg.topic, msg.payload, time.time(),
-                                                                         bool(msg.retain))),
-                               will=will, tls_ca=tls_ca, session_expiry=3600, max_queued=0)
-        self.session.start(timeout)
+        transport = MqttTransport(username, username, password, host, port, on_connect=self._on_connect,
+                                  will=will, tls_ca=tls_ca, session_expiry=3600, max_queued=0)
+        self.transport = transport
+        transport.start(timeout)
 
     def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
         subs = [(share_topic(self.share_group, topics.all_updates(self.fed)), 1),
@@ -209,10 +199,10 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         client.subscribe(subs)
 
     def close(self) -> None:
-        if self.session:
+        if isinstance(self.transport, MqttTransport):
             last = (site_topic(self.fed, self.site, "status"),
                     messages.encode("status", messages.Status(self.site, "offline"))) if self.leader else None
-            self.session.stop(last)
+            self.transport.stop(last)
 
     # loop --------------------------------------------------------------------------------
     def serve(self, until: threading.Event | None = None) -> None:
@@ -223,7 +213,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
     def step(self, timeout: float) -> None:
         """Handle one queued message (or wait up to `timeout`), then what the clock asks for."""
         try:
-            topic, payload, arrived, retained = self.inbox.get(timeout=timeout)
+            topic, payload, arrived, retained = self.transport.inbox.get(timeout=timeout)
         except queue.Empty:
             pass
         else:
@@ -248,11 +238,11 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             return
         _, device, kind = parsed
         if kind == "status":
-            self._on_status(device, payload)
+            self.presence.on_status(device, payload)
         elif kind == "receipt":
             self._on_receipt(device, payload)
         elif kind == "update" and payload and not retained:
-            self._on_update(self.current, device, payload, arrived)
+            self.intake.on_update(self.current, device, payload, arrived)
 
     # the leader: a site task becomes a cohort and device tasks -----------------------------
     def _on_site_task(self, payload: bytes) -> None:
@@ -269,7 +259,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         if task.deadline <= time.time():
             log.warning("site task for round %d (attempt %d) ignored: its deadline has passed", *key)
             return
-        eligible = self.eligible()
+        eligible = self.presence.eligible()
         k = len(eligible) if site_task.clients == 0 else site_task.clients
         policy = site_task.rules.get("selection", "random")  # random: a coordinator from before it was sent
         if policy not in POLICIES:
@@ -277,18 +267,15 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
                       site_task.round, policy, ", ".join(POLICIES))
             policy = "random"
         cohort = sorted(privacy.draw(eligible, site_task.clients) if privacy  # the CSPRNG, never self.rng
-                        else select(policy, eligible, k, self.rng, self.last_metrics))
-        for device in cohort:
-            self.pending_until[device] = task.deadline
-            self.pending_round[device] = site_task.round
-        assert self.session is not None
+                        else select(policy, eligible, k, self.rng, self.intake.last_metrics))
+        self.presence.tasked(cohort, site_task.round, task.deadline)
         cohort_msg = msgpack.packb({"site_task": payload, "devices": cohort}, use_bin_type=True)
-        if not self.session.publish_until(site_topic(self.fed, self.site, "cohort"), cohort_msg, task.deadline,
-                                          retain=True):
+        if not self.transport.publish_until(site_topic(self.fed, self.site, "cohort"), cohort_msg, task.deadline,
+                                            retain=True):
             log.error("round %d: could not publish the site's cohort", site_task.round)
             return
-        unsent = self.session.publish_all([(topics.task(self.fed, d), site_task.task) for d in cohort],
-                                          task.deadline)
+        unsent = self.transport.publish_all([(topics.task(self.fed, d), site_task.task) for d in cohort],
+                                            task.deadline)
         log.info("round %d (attempt %d): tasked %d of %d eligible devices%s", *key, len(cohort) - len(unsent),
                  len(eligible), f"; {len(unsent)} tasks not delivered" if unsent else "")
 
@@ -313,13 +300,14 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             # the centre tasks the round again: the attempt this site folded for made no version, so
             # the devices told "folded" are told "left_out" (they undo their commit, edge_agent.settlement)
             previous.reason = f"the centre abandoned attempt {previous.attempt} and retries as {site_task.attempt}"
-            self._abandoned(previous)
-        self.current = self._open(site_task, task, devices)
+            self.intake.abandoned(previous)
+        self.current = self.open(site_task, task, devices)
         self.seen = set()
         if not devices:
             self._send_partial(self.current, "no device of the site was eligible")
 
-    def _open(self, site_task: SiteTask, task: messages.Task, cohort: set[str]) -> Round:
+    def open(self, site_task: SiteTask, task: messages.Task, cohort: set[str]) -> Round:
+        """The site's share of a round: its trust rules, the round's server rule, an empty fold."""
         rules = {k: v for k, v in site_task.rules.items() if k in TRUST_RULES}
         if rules != self.rules:  # the trust bounds' history is kept as long as the rules stand
             self.rules = rules
@@ -327,36 +315,34 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
             self.norm_bound = NormBound(rules.get("norm_bound", 1.5))
             self.radius = NormBound(rules.get("norm_bound", 1.5) or 1.5)
         rules.setdefault("aggregator", "mean")  # a coordinator from before the centre was sent
-        self.settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
-        self.consensus.kinship = self.settings.kinship
-        self.consensus.floor = self.settings.agreement_floor
+        settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
+        self.consensus.kinship = settings.kinship
+        self.consensus.floor = settings.agreement_floor
         try:
             center = decode_center(site_task, self.specs)
         except Rejected as exc:
             log.error("round %d: the site task's centre is unusable (%s); folding without one", site_task.round, exc)
             center = None
-        self.objective = Objective.of(task.task, task.loss)
-        self.algorithm = algorithms.get(task.algorithm)
-        self.server_rule = SiteRule(self.algorithm.server(task.hparams))
-        self.server_rule.start_round(site_task.round, len(self.online))
-        self.extra_specs = self.server_rule.extra_specs(self.specs)
-        self.extras = StreamingMean(self.extra_specs) if self.extra_specs else None
-        self.max_values = sum(math.prod(s) for s in {**self.specs, **self.extra_specs}.values())
-        self.max_update_bytes = limits.update_cap(self.specs, self.extra_specs)
+        algorithm = algorithms.get(task.algorithm)
+        self.server_rule = SiteRule(algorithm.server(task.hparams))
+        self.server_rule.start_round(site_task.round, self.presence.population())
+        extra_specs = self.server_rule.extra_specs(self.specs)
+        self.intake.terms = Terms(settings, Objective.of(task.task, task.loss), self.server_rule, algorithm.name,
+                                  self.specs, extra_specs, self.sample_weights)
         self.sample_weights.start_round()
         privacy = site_privacy(site_task.rules)  # [privacy]: clipped to the round's C, the centre adds the noise
         rnd = Round(site_task.round, site_task.attempt, cohort, task.deadline, task.model_version,
                     privacy.fold(self.specs) if privacy else
-                    RobustRound(self.specs, self.norm_bound, self.settings.aggregator,
-                                normalize_steps=self.settings.normalize_steps, center=center, radius=self.radius,
-                                consensus=self.consensus, sign_quorum=self.settings.sign_quorum,
-                                verdict_banks=self.settings.verdict_banks),
-                    train=task.train)
+                    RobustRound(self.specs, self.norm_bound, settings.aggregator,
+                                normalize_steps=settings.normalize_steps, center=center, radius=self.radius,
+                                consensus=self.consensus, sign_quorum=settings.sign_quorum,
+                                verdict_banks=settings.verdict_banks),
+                    train=task.train, extras=StreamingMean(extra_specs) if extra_specs else None)
         rnd.move(RoundState.COLLECTING)
         return rnd
 
     def _on_receipt(self, device: str, payload: bytes) -> None:
-        self.pending_until.pop(device, None)  # answered (to whichever worker): no longer busy with it
+        self.presence.pending_until.pop(device, None)  # answered (to whichever worker): no longer busy with it
         rnd = self.current
         if rnd is None or (rnd.number, rnd.attempt) in self.sent or device not in rnd.cohort:
             return
@@ -393,7 +379,7 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         return make_partial(self.fed, self.site, self.worker, rnd.number, rnd.attempt, rnd.base_version, stream,
-                            self.extras, rejected=dict(rnd.rejected), refused=len(rnd.refused), clipped=clipped,
+                            rnd.extras, rejected=dict(rnd.rejected), refused=len(rnd.refused), clipped=clipped,
                             bytes_up=rnd.bytes_up, summary=summarize(rnd.device_metrics), observed=observed,
                             selected=len(rnd.cohort) if self.leader else 0,
                             evaluation=pooled_evaluation(rnd.evaluations), **vote_fields(rnd.aggregate.votes),
@@ -402,15 +388,11 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
     def _send_partial(self, rnd: Round, why: str) -> None:
         key = (rnd.number, rnd.attempt)
         self.sent.add(key)
-        self.closed_at[rnd.number] = time.time()
-        # the replay guard needs only recent rounds, as the coordinator's (older answers are late anyway)
-        self.accepted = {k: v for k, v in self.accepted.items() if k[1] > rnd.number - REPLAY_ROUNDS}
-        self.verdicts.forget(rnd.number - REPLAY_ROUNDS + 1)
+        self.intake.closed(rnd.number)
         partial = self.partial(rnd)
-        self._flushed(rnd)  # `partial` flushed any held (cold-start) updates: their final receipts
+        self.intake.flushed(rnd)  # `partial` flushed any held (cold-start) updates: their final receipts
         payload = encode_partial(partial, self.site_key)
-        assert self.session is not None
-        ok = self.session.publish_until(site_topic(self.fed, self.site, "partial"), payload, time.time() + 30)
+        ok = self.transport.publish_until(site_topic(self.fed, self.site, "partial"), payload, time.time() + 30)
         self.partials_sent += ok
         log.log(logging.INFO if ok else logging.ERROR, "round %d (attempt %d): partial of worker %d %s: %d "
                 "updates, %d bytes (%s)", *key, self.worker, "sent" if ok else "NOT sent", partial.count,
@@ -418,12 +400,12 @@ class SiteWorker(UpdateIntake, DevicePresence):  # presence as the coordinator's
 
     def _report_presence(self) -> None:
         now = time.monotonic()
-        if now - self._status_at < STATUS_EVERY or self.session is None:
+        if now - self._status_at < STATUS_EVERY or not isinstance(self.transport, MqttTransport):
             return
-        profile = {"online": len(self.online), "eligible": len(self.eligible())}
+        profile = {"online": self.presence.population(), "eligible": self.presence.eligible_devices()}
         if profile != self._status_sent:
             status = messages.Status(self.site, "online", profile)
-            self.session.publish(site_topic(self.fed, self.site, "status"), messages.encode("status", status),
-                                 qos=1, retain=True)
+            self.transport.publish(site_topic(self.fed, self.site, "status"), messages.encode("status", status),
+                                   retain=True)
             self._status_sent = profile
         self._status_at = now

@@ -1,4 +1,4 @@
-"""The coordinator of a federation in sites: it tasks sites, not devices, and combines partials.
+"""A federation in sites: the engine tasks sites, not devices, and combines partials (`Sites`).
 
 Per round attempt it publishes the model once (retained; each site's bridge carries it once and
 the site broker keeps it retained for its devices), one site task per site with how many devices
@@ -14,31 +14,40 @@ name that earlier deadline), so that their partials are up in time.
 
 The sites run the round's streaming fold (`robust.STREAMING`), with the centre the coordinator
 sends in each site task; what does not run in sites is `composition`'s to say.
+
+In buffered mode (`buffered.BufferedVersions`) a site task is a ticket, and a partial is folded
+with the staleness factor of the version its task named.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker_coordinator.access.sites import partial_allowance
 from broker_coordinator.aggregation.private_partials import PrivateTreeSum
 from broker_coordinator.aggregation.robust import OUTLIER_SHARE
 from broker_coordinator.aggregation.tree_sum import TreeSum
-from broker_coordinator.engine.coordinator import Coordinator, RoundFailed, RoundRecord
-from broker_coordinator.engine.rounds import Round, RoundState
+from broker_coordinator.aggregation.damping import Damped
+from broker_coordinator.aggregation.fold import Fold
+from broker_coordinator.aggregation.staleness import staleness_factor
+from broker_coordinator.aggregation.streaming import StreamingMean
+from broker_coordinator.engine.presence import SitePresence, count_of
+from broker_coordinator.engine.rounds import Round
 from broker_coordinator.engine.site_aggregator import site_rules
-from broker_coordinator.settings import composition
 from broker_coordinator.settings.choices import STREAMING
+from broker_coordinator.settings.round_settings import RoundRecord
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
-from edgefl_protocol.site_partials import SiteTask, decode_partial, encode_center, encode_site_task
+from edgefl_protocol.site_partials import Partial, SiteTask, decode_partial, encode_center, encode_site_task
 from edgefl_protocol.topics import all_site_topics, parse_site_topic, site_topic
-from models.objectives import Evaluation
+
+if TYPE_CHECKING:
+    from broker_coordinator.engine.buffered import BufferedVersions
+    from broker_coordinator.engine.loop import Engine
 
 log = logging.getLogger("broker_coordinator")
 
@@ -77,168 +86,144 @@ def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
     return {site: n for site, n in share.items() if n > 0}
 
 
-class TreeCoordinator(Coordinator):
-    def __init__(self, *args: Any, sites: Mapping[str, SiteSpec], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        composition.check(self.settings, "sites")
+class Sites:
+    def __init__(self, sites: Mapping[str, SiteSpec], max_update_bytes: int) -> None:
         if not sites:
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
-        self.max_partial_bytes = partial_cap(self.max_update_bytes)
+        self.presence = SitePresence()
+        self.unit = "site"
+        self.max_partial_bytes = partial_cap(max_update_bytes)
         # site -> share of its weight it keeps (TreeSum), checkpointed with the devices' standing
-        self.site_standing: dict[str, float] = {str(site): float(v) for site, v in (
-            self._resumed_trust.get("site_standing") or {}).items() if site in self.sites}
+        self.site_standing: dict[str, float] = {}
 
-    def _trust_state(self) -> dict:
-        return {**super()._trust_state(), "site_standing": dict(self.site_standing)}
+    def trust_state(self) -> dict[str, Any]:
+        return {"site_standing": dict(self.site_standing)}
 
-    def tree_sum(self, round_no: int, share: Mapping[str, int]) -> TreeSum | PrivateTreeSum:
+    def load_trust(self, trust: Mapping[str, Any]) -> None:
+        self.site_standing = {str(site): float(v) for site, v in (trust.get("site_standing") or {}).items()
+                              if site in self.sites}
+
+    def tree_sum(self, engine: Engine, round_no: int, share: Mapping[str, int]) -> TreeSum | PrivateTreeSum:
         """The round's aggregate of partials, each site bounded as one more device of the centre (see
         `TreeSum`): at most its quota (or the registry's count of its devices) of updates, a weight and a
         length against the other sites'. With [privacy], the private sum of clipped sums instead, noised
         once at the close (aggregation/private_partials.py: these bounds stay out of the private path)."""
-        if self.privacy:
-            return self.privacy.tree_fold(self.specs)
-        s = self.settings
+        if engine.privacy:
+            return engine.privacy.tree_fold(engine.specs)
+        s = engine.settings
         allowed = {site: share.get(site) or spec.devices for site, spec in self.sites.items()}
-        return TreeSum(self.specs, s.normalize_steps, self.extra_specs, round_no=round_no, allowed=allowed,
-                       center=self.center if s.aggregator == "centered_clip" else None, weighting=s.weighting,
+        return TreeSum(engine.specs, s.normalize_steps, engine.extra_specs, round_no=round_no, allowed=allowed,
+                       center=engine.center if s.aggregator == "centered_clip" else None, weighting=s.weighting,
                        weight_cap=s.weight_cap, norm_bound=s.norm_bound,
                        outlier_share=OUTLIER_SHARE if s.aggregator == "centered_clip" else None,
                        standing=self.site_standing,
                        sign_quorum=s.sign_quorum if s.aggregator in STREAMING else 0.0)
 
-    def _on_connect(self, client) -> None:
-        self.inbox.put(("", b"reset-presence", time.time(), False))
-        client.subscribe([(all_site_topics(self.fed, "status"), 1), (all_site_topics(self.fed, "partial"), 1)])
-        for topic, payload in self._model_payloads:
-            client.publish(topic, payload, qos=1, retain=True)
+    def subscriptions(self, fed: str) -> list[tuple[str, int]]:
+        return [(all_site_topics(fed, "status"), 1), (all_site_topics(fed, "partial"), 1)]
 
-    def _drain(self, timeout: float, current: Round | None = None) -> None:
-        try:
-            topic, payload, arrived, _ = self.inbox.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return
-        if topic == "" and payload == b"reset-presence":
-            self.online.clear()
-            return
+    def handle(self, engine: Engine, topic: str, payload: bytes, arrived: float, retained: bool,
+               current: Round | None) -> None:
         parsed = parse_site_topic(topic)
-        if parsed is None or parsed[0] != self.fed:
+        if parsed is None or parsed[0] != engine.fed:
             return
         _, site, kind = parsed
         if site not in self.sites:
-            self._reject(f"site {site}", "unknown_site", f"site {site!r} is not in the config's [sites]", current)
+            engine.intake.reject(f"site {site}", "unknown_site", f"site {site!r} is not in the config's [sites]",
+                                 current)
         elif kind == "status":
-            self._on_site_status(site, payload)
+            self.presence.on_status(site, payload)
         elif kind == "partial" and payload:
-            self._on_partial(current, site, payload)
+            self.on_partial(engine, current, site, payload)
 
-    def _on_site_status(self, site: str, payload: bytes) -> None:
-        try:
-            status = messages.decode_status(payload) if payload else None
-        except Rejected as exc:
-            log.warning("status of site %s ignored: %s", site, exc)
-            return
-        if status is None or status.state != "online":
-            self.online.pop(site, None)
-        else:
-            self.online[site] = dict(status.profile)
-
-    def eligible(self) -> list[str]:
-        """Sites online with at least one eligible device."""
-        return [s for s, p in self.online.items() if _count(p, "eligible") > 0]
-
-    def population(self) -> int:
-        return sum(_count(p, "online") for p in self.online.values())
-
-    # rounds -------------------------------------------------------------------------------
-    def _attempt(self, round_no: int, attempt: int) -> Round:
-        s = self.settings
-        if not self._presence_settled:
-            self._settle_presence()
-        deadline = time.time() + s.round_timeout
-        while (self._eligible_devices() < s.min_updates and time.time() < deadline
-               and not self.stopping.is_set()):
-            self._drain(min(0.5, deadline - time.time()))
+    # sync rounds ---------------------------------------------------------------------------
+    def open(self, engine: Engine, round_no: int, attempt: int, deadline: float) -> tuple[Round, int]:
+        s, presence = engine.settings, self.presence
         # in proportion to the sites' online devices: their eligible counts lag (a site reports them at
         # most once a second, and its devices are busy until their receipts); a site selects at most
         # the devices it has eligible when its task arrives
-        share = quotas(s.clients_per_round, {site: _count(self.online[site], "online") for site in self.eligible()})
-        if self.privacy:  # the sites draw the cohort (private_partials)
-            share = self.privacy.site_shares(share, {site: _count(self.online[site], "eligible")
-                                                     for site in self.eligible()})
+        share = quotas(s.clients_per_round, {site: count_of(presence.online[site], "online")
+                                             for site in presence.eligible()})
+        if engine.privacy:  # the sites draw the cohort (private_partials)
+            share = engine.privacy.site_shares(share, {site: count_of(presence.online[site], "eligible")
+                                                       for site in presence.eligible()})
         expected = {f"{site}/{w}" for site in share for w in range(self.sites[site].workers)}
-        rnd = self._open_round(round_no, attempt, expected, deadline, self.population())
-        rnd.aggregate = self.tree_sum(round_no, share)  # type: ignore[assignment]
-        rnd.train = not s.evaluation_only(round_no)
-        self.extras = rnd.aggregate.extras
-        if self.on_state:
-            self.on_state(rnd)
-        offered = sum(share.values()) if s.clients_per_round else self._eligible_devices()
-        if offered < s.min_updates:
-            self._set_state(rnd, RoundState.ABANDONED, f"only {offered} devices online and idle at the sites, "
-                                                       f"quorum is {s.min_updates}")
-            return rnd
-        self._publish_model(deadline)
-        task = messages.Task(round_no, self.version, deadline - site_margin(s.round_timeout), s.algorithm,
-                             s.task_hparams(round_no), self.server_rule.broadcast(), s.codec, attempt,
-                             self.objective.task, self.objective.loss,
-                             evaluate=self.evaluate_devices or not rnd.train, train=rnd.train)
-        rules = {**site_rules(s), **(self.privacy.site_privacy().rules() if self.privacy else {})}
-        center_specs, center = encode_center(self.center if s.aggregator == "centered_clip" else None)
+        rnd = engine.open_round(round_no, attempt, expected, deadline, presence.population(),
+                                lambda: self.fold(engine, round_no, share))
+        rnd.shares = dict(share)
+        offered = sum(share.values()) if s.clients_per_round else presence.eligible_devices()
+        return rnd, offered
+
+    def fold(self, engine: Engine, round_no: int, share: Mapping[str, int]) -> tuple[Fold, StreamingMean | None]:
+        tree_sum = self.tree_sum(engine, round_no, share)
+        return tree_sum, tree_sum.extras
+
+    def too_few(self, offered: int, quorum: int) -> str:
+        return f"only {offered} devices online and idle at the sites, quorum is {quorum}"
+
+    def task_deadline(self, deadline: float, round_timeout: float) -> float:
+        return deadline - site_margin(round_timeout)
+
+    def send_tasks(self, engine: Engine, rnd: Round, task: messages.Task, deadline: float) -> list[str]:
+        s = engine.settings
+        rules = {**site_rules(s), **(engine.privacy.site_privacy().rules() if engine.privacy else {})}
+        center_specs, center = encode_center(engine.center if s.aggregator == "centered_clip" else None)
         payload = messages.encode("task", task)
-        assert self.session is not None
-        unsent = self.session.publish_all(
-            [(site_topic(self.fed, site, "task"),
-              encode_site_task(SiteTask(round_no, attempt, k, payload, rules, center_specs, center))) for site, k in sorted(share.items())],
+        unsent = engine.transport.publish_all(
+            [(site_topic(engine.fed, site, "task"),
+              encode_site_task(SiteTask(rnd.number, rnd.attempt, k, payload, rules, center_specs, center)))
+             for site, k in sorted(rnd.shares.items())],
             min(deadline, time.time() + 60))
         for topic in unsent:
-            log.error("round %d: the task for site %s could not be published", round_no, topic.split("/")[3])
-        self._collect(rnd, deadline)
-        count = _devices_counted(rnd)
-        if self.stopping.is_set():
-            self._set_state(rnd, RoundState.ABANDONED, "coordinator shutting down")
-        elif count >= s.min_updates:
-            self._set_state(rnd, RoundState.CLOSED, "every site sent its partials" if rnd.complete
-                            else f"deadline passed with {len(rnd.answered)} of {len(expected)} partials")
-        else:
-            self._set_state(rnd, RoundState.ABANDONED, f"{count} updates in {len(rnd.answered)} of {len(expected)} "
-                                                       f"partials at the deadline, quorum is {s.min_updates}")
-        return rnd
+            log.error("round %d: the task for site %s could not be published", rnd.number, topic.split("/")[3])
+        return unsent
 
-    def _eligible_devices(self) -> int:
-        return sum(_count(self.online[site], "eligible") for site in self.eligible())
+    def counted(self, rnd: Round) -> int:
+        """Devices that count towards the quorum: updates folded, or (evaluation-only) devices reporting."""
+        if rnd.train:
+            return rnd.aggregate.count
+        return sum(m.get("evaluated", 0) for m in rnd.device_metrics.values())
 
-    def _on_partial(self, current: Round | None, site: str, payload: bytes) -> None:
+    def closed_because(self, rnd: Round) -> str:
+        return ("every site sent its partials" if rnd.complete
+                else f"deadline passed with {len(rnd.answered)} of {len(rnd.cohort)} partials")
+
+    def short_because(self, rnd: Round, count: int, quorum: int) -> str:
+        return (f"{count} updates in {len(rnd.answered)} of {len(rnd.cohort)} partials at the deadline, "
+                f"quorum is {quorum}")
+
+    # partials ------------------------------------------------------------------------------
+    def on_partial(self, engine: Engine, current: Round | None, site: str, payload: bytes) -> None:
+        """Validate a site's partial against the schedule's rules and add it to the open fold."""
         who = f"site {site}"
         try:
-            partial, sums = decode_partial(payload, self.sites[site].key, site, self.specs, self.extra_specs,
+            partial, sums = decode_partial(payload, self.sites[site].key, site, engine.specs, engine.extra_specs,
                                            self.max_partial_bytes)
-            if partial.federation != self.fed:
+            if partial.federation != engine.fed:
                 raise Rejected("federation", f"partial is for federation {partial.federation!r}")
-            if current is None or (partial.round, partial.attempt) != (current.number, current.attempt):
-                open_round = f"round {current.number} (attempt {current.attempt}) is open" if current else "none is open"
-                raise Rejected("stale", f"partial is for round {partial.round} (attempt {partial.attempt}); {open_round}")
-            sender = f"{site}/{partial.worker}"
-            if sender not in current.cohort:
-                raise Rejected("not_selected", f"worker {partial.worker} of site {site} was not expected "
-                                               f"({self.sites[site].workers} workers configured)")
-            if sender in current.answered:
-                raise Rejected("duplicate", f"worker {partial.worker} of site {site} already sent its partial")
-            if partial.model_version != current.base_version:
-                raise Rejected("stale", f"partial folds updates to version {partial.model_version}, the round "
-                                        f"distributed version {current.base_version}")
-            if self.privacy:  # [privacy]: a clipped sum at this round's C, or nothing
-                current.aggregate.check(partial, sums)
+            staleness = engine.schedule.check_partial(engine, current, site, partial)
+            if staleness is None and engine.privacy:  # [privacy]: a clipped sum at this round's C, or nothing
+                current.aggregate.check(partial, sums)  # type: ignore[union-attr]
         except Rejected as exc:
-            self._reject(who, exc.reason, exc.detail, current)
+            engine.intake.reject(who, exc.reason, exc.detail, current)
             return
-        current.aggregate.add(partial, sums)
-        self._book_partial(current, site, sender, partial)
-        log.info("round %d: partial from worker %d of site %s: %d updates", current.number, partial.worker, site,
-                 partial.count)
+        assert current is not None
+        sender = f"{site}/{partial.worker}"
+        if staleness is None:
+            current.aggregate.add(partial, sums)
+            self.book(engine, current, site, sender, partial)
+            log.info("round %d: partial from worker %d of site %s: %d updates", current.number, partial.worker,
+                     site, partial.count)
+            return
+        factor = staleness_factor(engine.settings.staleness_weight, staleness)
+        current.aggregate.add_partial(partial, sums, factor, staleness)  # type: ignore[attr-defined]
+        self.book(engine, current, site, sender, partial)
+        current.device_metrics[sender].update(staleness=staleness, staleness_factor=round(factor, 4))
+        log.info("version %d: partial from worker %d of site %s: %d updates trained on version %d (staleness %d)",
+                 current.number, partial.worker, site, partial.count, partial.model_version, staleness)
 
-    def _book_partial(self, current: Round, site: str, sender: str, partial: Any) -> None:
+    def book(self, engine: Engine, current: Round, site: str, sender: str, partial: Partial) -> None:
         """What a folded partial leaves in the round besides its sums: who answered, the sites'
         rejections, bytes and bounds, its pooled evaluation, the signals the server rule reads."""
         current.answered.add(sender)
@@ -254,43 +239,48 @@ class TreeCoordinator(Coordinator):
             current.device_metrics[sender]["evaluated"] = int(devices)
         for device, num_samples, metrics in partial.observed:
             try:
-                self.server_rule.observe(device, num_samples, metrics)
+                engine.server_rule.observe(device, num_samples, metrics)
             except (ValueError, TypeError, KeyError) as exc:
-                log.warning("site %s: signals of %s not usable by %s: %s", site, device, self.algorithm.name, exc)
-        self.metrics.accepted.inc(partial.count)
-        self.metrics.bytes_up.inc(partial.bytes_up)
+                log.warning("site %s: signals of %s not usable by %s: %s", site, device, engine.algorithm.name, exc)
+        engine.metrics.accepted.inc(partial.count)
+        engine.metrics.bytes_up.inc(partial.bytes_up)
 
-    def _record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
-                central: Evaluation | None = None) -> RoundRecord:
-        record = super()._record(rnd, base_sha, model_sha, closed, central)
+    def amend(self, record: RoundRecord, rnd: Round) -> None:
         report = rnd.aggregate.report()  # counts of devices, not of partials
         record.clipped = dict(report.bounded)
         record.selected = sum(m.get("selected", 0) for m in rnd.device_metrics.values())
-        record.participants = _devices_counted(rnd)
+        record.participants = self.counted(rnd)
         # the sites' devices report what they received (a measurement, trusted for nothing)
         record.bytes_down = report.bytes_down
         if record.federated:
             record.federated["devices"] = report.reports
-        return record
 
-    def wait_for_devices(self, count: int, timeout: float, progress: Any = None) -> None:
-        give_up = time.monotonic() + timeout
-        while self._eligible_devices() < count:
-            if self.stopping.is_set():
-                raise RoundFailed("shutting down")
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"only {self._eligible_devices()} of {count} devices were online and idle at "
-                                   f"the sites within {timeout:.0f} s")
-            self._drain(0.2)
+    # buffered versions ---------------------------------------------------------------------
+    def buffer_fold(self, engine: Engine, round_no: int) -> tuple[Fold, StreamingMean | None]:
+        """The buffer's sum of partials, each damped by its staleness as it arrives."""
+        tree_sum = self.tree_sum(engine, round_no, {})
+        return Damped(tree_sum, scale_step=False), tree_sum.extras
 
-
-def _devices_counted(rnd: Round) -> int:
-    """Devices that count towards the quorum: updates folded, or (evaluation-only) devices reporting."""
-    if rnd.train:
-        return rnd.aggregate.count
-    return sum(m.get("evaluated", 0) for m in rnd.device_metrics.values())
-
-
-def _count(profile: Mapping[str, Any], key: str) -> int:
-    value = profile.get(key, 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    def dispatch(self, engine: Engine, schedule: BufferedVersions, buffer: Round) -> None:
+        """A site task for every online site with eligible devices and no task out."""
+        s = engine.settings
+        idle = [site for site in self.presence.eligible() if site not in schedule.working]
+        if not idle:
+            return
+        online = {site: count_of(self.presence.online[site], "online") for site in idle}
+        share = quotas(s.clients_per_round, online) if s.clients_per_round else {site: 0 for site in idle}
+        deadline = time.time() + s.round_timeout
+        engine.publish_model(deadline)
+        center_specs, center = encode_center(engine.center if s.aggregator == "centered_clip" else None)
+        payloads = []
+        for site, k in sorted(share.items()):
+            attempt = schedule.ticket(engine, site, buffer, deadline)
+            schedule.answered_by[(buffer.number, attempt)] = set()
+            task = engine.task(buffer.number, attempt, deadline - site_margin(s.round_timeout),
+                               evaluate=engine.evaluate_devices)
+            payloads.append((site_topic(engine.fed, site, "task"),
+                             encode_site_task(SiteTask(buffer.number, attempt, k, messages.encode("task", task),
+                                                       site_rules(s), center_specs, center))))
+        for topic in engine.transport.publish_all(payloads, min(deadline, time.time() + 60)):
+            log.error("version %d: the task for site %s could not be published", buffer.number,
+                      topic.split("/")[3])

@@ -3,7 +3,7 @@
 A feature either works in every schedule (`sync`, `buffered`) and topology (`flat`, `sites`), or
 one rule here refuses the combination with its reason. `run`, `simulate`, `site-aggregator` and
 `broker-config` all load their settings through it (`RoundSettings.validate` for the schedule,
-`config.load_config` and `TreeCoordinator` for the topology), so a refusal is worded once and always
+`config.load_config` and `Engine` for the topology), so a refusal is worded once and always
 comes before anything starts. docs/ARCHITECTURE.md lists `RULES` ("What runs together").
 
 Each rule says whether its reason is mathematical (the combination cannot be defined), measured

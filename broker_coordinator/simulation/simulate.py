@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker_coordinator.access.broker import COORDINATOR_USER
-from broker_coordinator.engine.buffered import coordinator_class
-from broker_coordinator.engine.buffered_tree import tree_class
-from broker_coordinator.engine.coordinator import RoundSettings, record_dict
+from broker_coordinator.engine.loop import Engine, record_dict
 from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.reporting.report import (
@@ -33,6 +31,7 @@ from broker_coordinator.reporting.report import (
 )
 from broker_coordinator.reporting.tracking import RunTracker
 from broker_coordinator.settings import composition
+from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
 from broker_coordinator.simulation import fleet
 from broker_coordinator.simulation.private_broker import PrivateBroker
@@ -177,7 +176,7 @@ def setup_fleet(spec: SimulationSpec, devices: list[str], run_name: str, echo) -
 def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=spawn_agent) -> list[dict]:
     """Run the federation; write history.json and accuracy.png into spec.out; return the rounds.
 
-    `spawn(config, log_path)` starts one agent process (bench/pi/pi_check.py starts one under emulation)."""
+    `spawn(config, log_path)` starts one agent process (checks/pi/pi_check.py starts one under emulation)."""
     settings.validate()
     if spec.sites:
         composition.check(settings, "sites")
@@ -242,8 +241,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             passwords, port_of = sites.rig.passwords, sites.device_port
             if settings.privacy.on and not settings.privacy.population:  # the sites hold the devices' keys
                 settings.privacy.population = len(devices)
-            coordinator = tree_class(settings)(spec.federation, model, test_set, settings, device_keys={},
-                                               sites=sites.specs(), **common)
+            coordinator = Engine(spec.federation, model, test_set, settings, device_keys={},
+                                 sites=sites.specs(), **common)
             running.callback(coordinator.close)
             coordinator.connect("127.0.0.1", sites.rig.central.port, COORDINATOR_USER,
                                 sites.rig.coordinator_password)
@@ -258,15 +257,14 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             running.enter_context(broker)
             port_of = lambda device: broker.port  # noqa: E731
             echo(f"mosquitto listening on 127.0.0.1:{broker.port} (no anonymous access, per-device ACL)")
-            coordinator = coordinator_class(settings)(spec.federation, model, test_set, settings, device_keys=keys,
-                                                      **common)
+            coordinator = Engine(spec.federation, model, test_set, settings, device_keys=keys, **common)
             running.callback(coordinator.close)
             coordinator.connect("127.0.0.1", broker.port, COORDINATOR_USER, coordinator_password)
         groups, cgroup_procs, classes = setup_fleet(spec, devices, f"edgefl-{spec.federation}-{os.getpid()}", echo)
 
         def start(device: str, again: bool = False) -> subprocess.Popen:
             home = devices_dir / device
-            if spawn is not spawn_agent:  # a caller's own launcher (bench/pi/pi_check.py: one agent emulated)
+            if spawn is not spawn_agent:  # a caller's own launcher (checks/pi/pi_check.py: one agent emulated)
                 return spawn(home / "agent.toml", home / "agent.log")
             return spawn_agent(home / "agent.toml", home / "agent.log", cgroup_procs.get(device), append=again)
 
