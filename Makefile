@@ -44,7 +44,7 @@ field-settings: setup  # bench/results/field_settings.md and field.json's "setti
 	nice -n 5 $(BIN)/python -m bench.field_settings $(FIELD_SETTINGS_ARGS)
 
 served-decay: setup  # bench/results/served_decay.json and .md: field-settings' cached runs re-scored at each serve_average (seconds)
-	$(BIN)/python -m bench.served_decay
+	$(BIN)/python -m research.served_decay
 
 field-quick: setup mosquitto
 	nice -n 5 $(BIN)/python -m bench.field --quick $(FIELD_ARGS)
@@ -62,7 +62,7 @@ composition: setup mosquitto  # bench/results/composition.json, .md: every cell 
 	nice -n 5 $(BIN)/python -m bench.composition $(COMPOSITION_ARGS)
 
 test-soak: setup mosquitto  # bench/results/test_soak.json, test_soak.md (the suite 5 times with every core busy; 30+ minutes)
-	$(BIN)/python -m bench.test_soak $(SOAK_ARGS)
+	$(BIN)/python -m checks.test_soak $(SOAK_ARGS)
 
 # benchmarks too slow for `make test`; each writes its results to bench/results/
 attacks: setup            # bench/results/attacks.json, attacks.md, attacks.png (about 50 minutes with --jobs 2)
@@ -103,7 +103,7 @@ else
 	# the CPU wheel first, so the range in pyproject.toml never pulls a CUDA build
 	$(BIN)/pip install --quiet --dry-run --ignore-installed --report $(VENV)/torch-report.json --retries 1 \
 		--extra-index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(BIN)/python bench/pi/cpu_torch.py $(VENV)/torch-report.json "$(TORCH_SPEC)"
+	$(BIN)/python checks/pi/cpu_torch.py $(VENV)/torch-report.json "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e '.$(EXTRAS)'
 endif
@@ -126,17 +126,17 @@ mosquitto:
 # the Pi install under qemu-user aarch64 emulation (Pi 4 and Pi 5 CPUs); root; arm64 root cached in
 # /var/cache/edgefl-pi-root (PI_ROOT_CACHE=...). Writes bench/results/pi_check.json and .md.
 pi-check: setup mosquitto
-	$(BIN)/python -m bench.pi.pi_check $(PI_CHECK_ARGS)
+	$(BIN)/python -m checks.pi.pi_check $(PI_CHECK_ARGS)
 
 # DP-SGD's cost on the emulated Pis, in the root pi-check installed (opacus added to its venv); root.
 # Writes bench/results/pi_dp_sgd.json and .md.
 pi-dp-sgd: setup
-	$(BIN)/python -m bench.pi.dp_sgd_pi $(PI_DP_SGD_ARGS)
+	$(BIN)/python -m checks.pi.dp_sgd_pi $(PI_DP_SGD_ARGS)
 
 # the operator guide under systemd as PID 1 in systemd-nspawn containers; root.
 # Writes bench/results/service_check.json.
 service-check: setup
-	$(BIN)/python -m bench.pi.service_check $(SERVICE_CHECK_ARGS)
+	$(BIN)/python -m checks.pi.service_check $(SERVICE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
@@ -149,7 +149,7 @@ dist: setup
 # Debian's own CPU-only torch (bookworm's python3-torch 1.13.1, the oldest that pyproject.toml admits) in the
 # TORCH=system venv on /usr/bin/python3, the project without extras: the tests and a 3-round federation
 # on digits (Debian's python3-sklearn carries the data). Root (apt-get).
-# Writes bench/results/torch_debian.json and .md (bench/torch_debian.py).
+# Writes bench/results/torch_debian.json and .md (checks/torch_debian.py).
 TORCH_DEBIAN_VENV ?= .venv-torch-debian
 torch-debian: mosquitto
 	@if ! /usr/bin/python3 -c 'import torch, sklearn' 2>/dev/null; then \
@@ -161,4 +161,4 @@ torch-debian: mosquitto
 	# the test runner alone (the dev extras stay out), pinned to the system's torch like the project
 	$(TORCH_DEBIAN_VENV)/bin/pip install --quiet -c $(TORCH_DEBIAN_VENV)/torch-pin.txt "pytest>=8" "pytest-timeout>=2.2" \
 		"pytest-xdist>=3.5"
-	nice -n 10 $(TORCH_DEBIAN_VENV)/bin/python -m bench.torch_debian $(TORCH_DEBIAN_ARGS)
+	nice -n 10 $(TORCH_DEBIAN_VENV)/bin/python -m checks.torch_debian $(TORCH_DEBIAN_ARGS)

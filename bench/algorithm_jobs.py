@@ -1,5 +1,5 @@
 """What one run of the algorithm benchmark is (a `Variant` on a setting, with an optimizer and a
-seed: a `Job`) and where its result is cached; shared by `algorithms`, `tuning` and `mqtt_check`."""
+seed: a `Job`) and where its result is cached; shared by `algorithms` and research/'s `tuning` and `mqtt_check`."""
 
 from __future__ import annotations
 

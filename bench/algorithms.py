@@ -11,8 +11,9 @@ DEMO_FLEET, scaled to the number of clients) with the demo's 6 s round timeout.
     python -m bench.algorithms                 # headline + other settings + ablation (many hours on 2 cores)
     python -m bench.algorithms --quick         # a smoke version, under 3 minutes
     python -m bench.algorithms --report        # rebuild json/markdown/plots from cached runs
-    python -m bench.algorithms --validation    # the design/tuning runs, on a validation split
-    python -m bench.algorithms --check-mqtt    # in-process vs `broker-coordinator simulate`
+
+The design runs on a validation split (`python -m research.tuning`) and the in-process vs
+`broker-coordinator simulate` comparison (`python -m research.mqtt_check`) use this runner and cache.
 
 Each run is cached in bench/results/algorithms_runs/PIPELINE/ (resumable; runs of
 the older pipeline, plain mean and 2 fixed epochs in float32, sit beside it and are
@@ -87,7 +88,7 @@ def run_measured_with(record: dict) -> dict:
 
 
 def run_job(job: Job) -> dict:
-    from broker_coordinator.engine.coordinator import RoundSettings
+    from broker_coordinator.settings.round_settings import RoundSettings
 
     from . import fedsim, inmemory, provenance, settings
 
@@ -145,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="headline setting, 5 rounds, 1 seed, momentum only")
     p.add_argument("--report", action="store_true", help="only rebuild the report from cached runs")
-    p.add_argument("--validation", action="store_true", help="design/tuning runs on a validation split")
-    p.add_argument("--check-mqtt", action="store_true", help="compare in-process with a run over MQTT")
     p.add_argument("--seeds", type=int, default=3, help="seeds for the headline setting")
     p.add_argument("--other-seeds", type=int, default=3, help="seeds for the other settings")
     p.add_argument("--workers", type=int, default=2)
@@ -160,22 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop after this many rounds (a timing run, cached apart and not reported)")
     args = p.parse_args(argv)
 
-    if args.check_mqtt:
-        from .mqtt_check import main as check
-        return check()
     every = BASELINES + [DEFAULT] + CPU_SIZED + ABLATION
     variants = {v.name: v for v in every}
-    if args.validation:
-        from .tuning import validation_jobs
-        jobs = validation_jobs()
-        if not args.report:
-            run_all(jobs, args.workers)
-        records = [json.loads(j.path.read_text()) for j in jobs if j.path.exists()]
-        records = [r for r in records if "accuracy" in r]
-        report(records, {**variants, **{r["variant"]: Variant(r["variant"], r["algorithm"], tuple(r["hparams"].items()))
-                                        for r in records}}, DEFAULT.name, RESULTS, "algorithms_validation",
-               runtime_default=algorithms.DEFAULT_ALGORITHM)
-        return 0
     if args.quick:
         jobs = [Job(settings.HEADLINE, v, MOMENTUM, 1, split="quick", rounds=5) for v in BASELINES + [DEFAULT]]
         for job in jobs:  # always a fresh measurement

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from . import provenance
 
-SERVED_DECAY = "0.75"  # the served-average column: EMA decay chosen on the validation runs (bench/tuning.py)
+SERVED_DECAY = "0.75"  # the served-average column: EMA decay chosen on the validation runs (research/tuning.py)
 HEADLINE_MARGIN = 0.005  # the target: the default at least 0.5 points above the best baseline
 MIN_SEEDS = 2  # a baseline row enters the target check with at least this many seeds (one seed is no mean)
 
@@ -180,7 +180,7 @@ def report(records: list[dict], variants: dict, default: str, results: Path, out
              "coordinator serves and evaluates with `serve_average` at that decay (the default; "
              "over the seeds that recorded it). Rounds to 90% of the best final accuracy in "
              "the setting are read on the seed-mean curve. Local seconds per client-round are medians recorded "
-             "during the runs, with other runs sharing the 2 cores, so they are noisy: bench/local_cost.py measures "
+             "during the runs, with other runs sharing the 2 cores, so they are noisy: research/local_cost.py measures "
              "time under equal conditions, and 'passes' (forward-backward passes per client-round) is the "
              "deterministic cost. Time and passes are relative to fedavg with the same optimizer.", ""]
     for setting, rows in table.items():

@@ -30,7 +30,7 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4, **LAST},
                          # the agreement stage flags only median cosines below -0.05 (aggregation/consensus.py)
                          "centered_clip+floor0.05": {"agreement_floor": 0.05, **LAST},
-                         # the default fold serving a slower average (bench/served_decay.py: fewer late declines)
+                         # the default fold serving a slower average (research/served_decay.py: fewer late declines)
                          "centered_clip+serve0.9": {"serve_average": 0.9}}
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"

@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import provenance  # noqa: E402
-from bench.pi.train_probe import DP_CLIP, DP_NOISE, ROUND_SAMPLES  # noqa: E402
 from broker_coordinator.simulation.fleet import PROFILES, CgroupUnavailable, Cgroups, join_command  # noqa: E402
+from checks.pi.train_probe import DP_CLIP, DP_NOISE, ROUND_SAMPLES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODELS = {"mnist_cnn": "mnist5k", "digits_mlp": "digits"}
-# what decides a local round's cost here and in bench/pi/dp_sgd_pi.py (bench/pi/train_probe.py's local_round)
+# what decides a local round's cost here and in checks/pi/dp_sgd_pi.py (checks/pi/train_probe.py's local_round)
 DECIDING = {"algorithm": "fedavg", "epochs": 1, "batch_size": 32, "samples": ROUND_SAMPLES,
             "noise_multiplier": DP_NOISE, "clip": DP_CLIP, "torch_threads": 1}
 
@@ -58,7 +58,7 @@ def one_round(arch: str, private: bool) -> dict:
     import numpy as np
     import torch
 
-    from bench.pi.train_probe import local_round
+    from checks.pi.train_probe import local_round
     from models import datasets
     from models.architectures import build_model
 

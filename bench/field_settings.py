@@ -54,7 +54,7 @@ CHEAP = [SYNTHETIC, DIGITS_LABEL_SKEW]  # seconds a run: every row runs there
 SEEDS = (1, 2, 3)
 SERVERS = ("momentum", "adam", "yogi", "adagrad")
 # `dynsam` with a leaky dual (feddyn.py's dual_decay), beta chosen on a validation split of the cheap
-# settings (bench/probe_dual.py --validation; docs/RESEARCH.md "The default across settings")
+# settings (research/probe_dual.py --validation; docs/RESEARCH.md "The default across settings")
 LEAKY = Variant("dynsam-leaky", "dynsam", (("dual_decay", 0.96),), "leaky dual, beta 0.96")
 VARIANTS = {v.name: v for v in BASELINES + [DEFAULT, LEAKY]}
 # Runs made with the host speed pinned (bench/host_speed.json) at today's engine; the runs in

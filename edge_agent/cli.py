@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="connect to the broker and serve rounds until stopped (SIGTERM)",
                          description="Connect to the broker named in the config file and train on every task "
                                      "the coordinator sends, until SIGTERM or Ctrl-C.")
-    run.add_argument("--config", required=True, help="agent TOML config (see edge_agent/config.py for the keys)")
+    run.add_argument("--config", required=True, help="agent TOML config (every section and key: docs/CONFIGURATION.md)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from .operator_cli import add_operator_commands
     add_operator_commands(sub)

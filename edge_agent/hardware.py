@@ -1,5 +1,5 @@
 """What this device can do: a psutil probe, a training-speed calibration, and
-the choice of local epochs (DRSAM.md 4.4).
+the choice of local epochs (docs/DRSAM.md "Local epochs").
 
 Epochs run from 3 on a weak device to 8 on a strong one, by measured training
 throughput (samples per second for this model) between two reference speeds;

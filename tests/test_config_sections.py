@@ -1,7 +1,8 @@
 """The coordinator's round keys in sections ([schedule], [algorithm], [fold], [server_optimizer],
 [transfer], [evaluation]), and their old place: a 0.1 config with every key under [rounds] loads to
 the same RoundSettings, says in one INFO line where each key lives now, and refuses a key given
-in both places with different values."""
+in both places with different values. (docs/CONFIGURATION.md lists every key in its section:
+tests/test_reference_docs.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from broker_coordinator.settings.round_sections import PLACES, ROUND_SECTIONS, R
 from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol.settings import ConfigError, to_toml
 
-ROOT = Path(__file__).resolve().parent.parent
 LOGGER = "broker_coordinator.settings.round_config"
 BASE = {"federation": {"model": "digits_mlp", "test_data": "t.npz"}, "broker": {"password": "x"}}
 
@@ -165,11 +165,3 @@ def test_overrides_go_over_either_place_and_composition_spans_sections():
     with pytest.raises(ConfigError, match=r"\[rounds\]: privacy is a section of its own"):
         read_rounds({"rounds": {"privacy": {"mode": "central"}}}, "c.toml")
 
-
-def test_the_operator_guide_lists_every_key_in_its_section():
-    text = (ROOT / "docs" / "OPERATOR.md").read_text()
-    table = text[text.index("## The coordinator's configuration"):]
-    rows = {m.group(1): set(re.findall(r"`(\w+)`", m.group(2)))
-            for m in re.finditer(r"^\| `\[(\w+)\]` \| (.*?) \|", table, re.MULTILINE)}
-    for section in ROUND_SECTIONS:
-        assert rows.get(section) == {key for key, place in PLACES.items() if place == section}, section

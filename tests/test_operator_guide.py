@@ -14,9 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
+from broker_coordinator.access import devices as ops
 from broker_coordinator.access.broker import free_port
+from broker_coordinator.settings.config import load_config
 from broker_coordinator.simulation.processes import stop_processes
-from .operator_fixtures import PROJECT_ROOT, debian_main_conf, run_module, write_coordinator_config
+from edgefl_protocol import topics
+from edgefl_protocol.transport import connect
+from .operator_fixtures import FEDERATION, PROJECT_ROOT, debian_main_conf, run_module, write_coordinator_config
 
 GUIDE = PROJECT_ROOT / "docs" / "OPERATOR.md"  # the operator guide (linked from the README)
 # every `broker-coordinator ...` / `edge-agent ...` subcommand the guide shows, and where it is exercised
@@ -130,7 +134,20 @@ def test_operator_guide_end_to_end(tmp_path):
         assert status.returncode == 0, status.stdout + status.stderr
         assert "enrolled:   yes, device pi-07" in status.stdout and "credentials accepted" in status.stdout
         assert "is connected since" in status.stdout and "last round: 1" in status.stdout
-        time.sleep(0.5)
+        # a marker on the agent's task topic, sent after status returned: the agent logs it (as not a task) once it
+        # has read it, and a session dropped under it by then would have been noted in the session file first
+        # (on_disconnect, then on_connect of the new session, before any message on that one)
+        agent_output, ignored = device / "agent.log", f"ignored message on {topics.task(FEDERATION, 'pi-07')}".encode()
+        seen = agent_output.read_bytes().count(ignored)
+        marker = ops.coordinator_client(load_config(config, with_rounds=False), "marker")
+        connect(marker, "127.0.0.1", port, timeout=10)
+        try:
+            marker.publish(topics.task(FEDERATION, "pi-07"), b"not a task", qos=1).wait_for_publish(10)
+        finally:
+            marker.disconnect()
+            marker.loop_stop()
+        wait_for(lambda: agent_output.read_bytes().count(ignored) > seen or session_file.read_text() != before, 30,
+                 "the agent to read the marker")
         assert session_file.read_text() == before, "edge-agent status knocked the running agent off the broker"
 
         # revoke: the broker drops the agent's session and the credentials stop working

@@ -4,8 +4,9 @@
 (b) a file that claims to describe the defaults (`"describes": "defaults"` in its `measured_with`,
     or named, by file name or make target, in a sentence or table row of README.md / docs/*.md that
     says "default") was measured with today's `bench.provenance.defaults()` on every key both carry;
-(c) every number of README's "Measured" section and docs/OPERATOR.md's "what to expect" table
-    matches the results file its claim links (CLAIMS below).
+(c) every number of docs/RESULTS.md, docs/OPERATOR.md's "what to expect" table and docs/PRIVACY.md's
+    "Choosing the numbers" matches the results file its claim links (CLAIMS below, and the table
+    tests after them).
 """
 
 from __future__ import annotations
@@ -98,75 +99,81 @@ KIB = 1 / 1024
 MOMENTUM_ROW = "1000of10000, server momentum 0.9, serve_average 0.5"
 DENSE_ROW = "1000of10000, float32 uploads, server momentum 0.9, serve_average 0.5"  # the same with float32 uploads  # privacy.json's 1000of10000 row with server momentum
 
+RESULTS_PAGE = "docs/RESULTS.md"
+PRIVACY_ROW = {"top-k": MOMENTUM_ROW, "float32": DENSE_ROW}
+EPSILONS = ("none", "8", "3", "1")
+
+
+def row(label: str, column: int, number: str = r"[\d.]+") -> str:
+    """The `column`th cell (0 = the first after the label) of the RESULTS.md table row `label`, as the group."""
+    return r"\| " + label + r" \| " + r"[^|]*\| " * column + "(" + number + ")"
+
+
 CLAIMS = [
-    ("README.md", r"FedAvg's local passes: \+([\d.]+) points", "field.json",
-     "choice/margins/dynsam+sgd/mnist5k_dirichlet0.1_20clients", 1, 2),
-    ("README.md", r"\+([\d.]+) on Synthetic\(1,1\) over 30", "field.json",
-     "choice/margins/dynsam+sgd/synthetic1,1_30clients", 1, 2),
-    ("README.md", r"\+([\d.]+) on digits in 2-class shards", "field.json",
-     "choice/margins/dynsam+sgd/digits_shards2_20clients", 1, 2),
-    ("README.md", r"the runner-up: \+([\d.]+) /", "field.json",
-     "choice/margins/dynsam-leaky+sgd/mnist5k_dirichlet0.1_20clients", 1, 2),
-    ("README.md", r"FedDyn\s+\+([\d.]+) /", "field.json", "choice/margins/feddyn+sgd/mnist5k_dirichlet0.1_20clients", 1, 2),
-    ("README.md", r"\(2.0x the passes\), reaches ([\d.]+)%", "field.json", "field_mean/fedsam+momentum", 1, 2),
-    ("README.md", r"against FedAvg's ([\d.]+)%;", "field.json", "field_mean/fedavg+sgd", 1, 2),
-    ("README.md", r"momentum reaches ([\d.]+)% against", "field.json", "field_mean/fedavg+momentum", 1, 2),
-    ("README.md", r"against the default's ([\d.]+)%, and", "field.json", "field_mean/dynsam+sgd", 1, 2),
-    ("README.md", r"the passes\) ([\d.]+)%\. Every", "field.json", "field_mean/fedsmoo+sgd", 1, 2),
-    ("README.md", r"reaches ([\d.]+)% on the headline", "field.json", "default_final_mean", 1, 2),
-    ("README.md", r"([\d.]+) points above FedAvg with", "field.json", "default_vs_fedavg", 1, 1),
-    ("README.md", r"SGD ends at\s+([\d.]+)% on the headline", "algorithms.json", "headline_mean/dynsam", 100, 2),
-    ("README.md", r"([+-][\d.]+) points against FedAvg", "algorithms.json", "headline_vs/dynsam/fedavg", 100, 2),
-    ("README.md", r"([+-][\d.]+) against FedSMOO", "algorithms.json", "headline_vs/dynsam/fedsmoo", 100, 2),
-    ("README.md", r"within ([\d.]+) points of clean", "attacks.json", "clean_minus_sign_flip@0.1", 100, 1),
-    ("README.md", r"serve_average 0.5\"\) end at ([\d.]+)% without privacy", "privacy.json",
-     f"runs/{MOMENTUM_ROW}/none/final_accuracy_mean", 100, 2),
-    *[("README.md", r"end at [\d.]+% without privacy\s+and " + r"[\d.]+ / " * i + r"([\d.]+)", "privacy.json",
-       f"runs/{MOMENTUM_ROW}/{eps}/final_accuracy_mean", 100, 2) for i, eps in enumerate(("8", "3", "1"))],
+    # the across-settings choice table is checked cell by cell by test_the_choice_table_is_field_json
+    (RESULTS_PAGE, row(r"`dynsam\+sgd`", 1), "field.json", "default_final_mean", 1, 2),
+    (RESULTS_PAGE, r"`dynsam\+sgd` ends ([\d.]+) points above FedAvg with SGD", "field.json", "default_vs_fedavg", 1, 1),
+    (RESULTS_PAGE, row("`dynsam`", 0), "algorithms.json", "headline_mean/dynsam", 100, 2),
+    (RESULTS_PAGE, row("`dynsam`", 1, r"[+-][\d.]+"), "algorithms.json", "headline_vs/dynsam/fedavg", 100, 2),
+    (RESULTS_PAGE, row("`dynsam`", 2, r"[+-][\d.]+"), "algorithms.json", "headline_vs/dynsam/fedsmoo", 100, 2),
+    (RESULTS_PAGE, r"within ([\d.]+) points of clean", "attacks.json", "clean_minus_sign_flip@0.1", 100, 1),
+    *[(RESULTS_PAGE, row(f"10 of 20, {label}", i), "privacy.json", f"runs/10of20/{eps}/final_accuracy/{i}", 100, 2)
+      for label, eps in (("no privacy", "none"), ("epsilon 8", "8")) for i in range(3)],
+    *[(RESULTS_PAGE, row(rf"server momentum 0\.9, `serve_average = 0\.5`, {uplink} uploads", i), "privacy.json",
+       f"runs/{PRIVACY_ROW[uplink]}/{eps}/final_accuracy_mean", 100, 2)
+      for uplink in ("top-k", "float32") for i, eps in enumerate(EPSILONS)],
+    *[(RESULTS_PAGE, row("the same with the PLD accountant", i), "privacy.json",
+       f"runs/{DENSE_ROW}, PLD accountant/{eps}/final_accuracy_mean", 100, 2) for i, eps in enumerate(EPSILONS)],
+    *[(RESULTS_PAGE, row(r"no server momentum, `serve_average = 0\.5`, top-k uploads", i), "privacy.json",
+       f"runs/1000of10000, serve_average 0.5/{eps}/final_accuracy_mean", 100, 2) for i, eps in enumerate(EPSILONS)],
+    (RESULTS_PAGE, r"pooled data reaches ([\d.]+)%", "privacy.json", "central_reference/accuracy", 100, 2),
+    (RESULTS_PAGE, r"takes ([\d.]+)x the time without DP", "privacy.json", "round_seconds/ratio", 1, 2),
+    (RESULTS_PAGE, row("x86 under a Pi 4's quota", 2), "dp_sgd_cost.json", "models/mnist_cnn/ratio", 1, 2),
+    (RESULTS_PAGE, row("Pi 4, emulated", 2), "pi_dp_sgd.json", "pis/pi4/mnist_cnn/ratio", 1, 2),
+    (RESULTS_PAGE, row("Pi 5, emulated", 2), "pi_dp_sgd.json", "pis/pi5/mnist_cnn/ratio", 1, 2),
+    *[(RESULTS_PAGE, row("signed updates/s into one coordinator", i, r"\d+"), "runtime.json", f"updates_per_s/{n}", 1, 0)
+      for i, n in enumerate(("100", "300", "1000"))],
+    *[(RESULTS_PAGE, row("updates per second of the coordinator's own CPU", i, r"\d+"), "runtime.json",
+       f"scale/{i}/updates_per_coordinator_cpu_s_median", 1, 0) for i in range(3)],
+    *[(RESULTS_PAGE, row(r"coordinator peak RSS \(MB\)", i, r"\d+"), "runtime.json", f"coordinator_rss_mb/{n}", 1, 0)
+      for i, n in enumerate(("100", "300", "1000"))],
+    *[(RESULTS_PAGE, row("central broker, MB a round", i), "scale.json", f"central_bytes_per_round/{topology}", 1e-6, 1)
+      for i, topology in enumerate(("flat", "tree"))],
+    (RESULTS_PAGE, r"\| (\d+)x fewer bytes", "scale.json", "ratio_flat_over_tree", 1, 0),
+    (RESULTS_PAGE, r"in every round \| \| \+(\d+)%", "scale.json", "tree_growth_low_to_high", 100, 0),
+    *[(RESULTS_PAGE, row(r"coordinator CPU per update \(ms\)", i), "scale.json",
+       f"coordinator_cpu_s_per_update/{topology}", 1000, 2) for i, topology in enumerate(("flat", "tree"))],
+    *[(RESULTS_PAGE, row(r"the same without the round's central evaluation \(ms\)", i), "scale.json",
+       f"coordinator_cpu_s_per_update_without_evaluation/{topology}", 1000, 2)
+      for i, topology in enumerate(("flat", "tree"))],
+    (RESULTS_PAGE, r"read time against 1,000 files \| \| \| ([\d.]+)x", "spool.json", "ratio_last_to_first", 1, 2),
+    (RESULTS_PAGE, row("`fedavg`", 2) + "x", "buffered.json", "speedup_median", 1, 1),
+    (RESULTS_PAGE, row("`dynsam`", 2) + "x", "buffered_dynsam.json", "speedup_median", 1, 2),
+    (RESULTS_PAGE, r"\| `dynsam` \| ([\d.]+), [\d.]+ \|", "buffered_dynsam.json", "seeds/1/sync_final_accuracy", 1, 2),
+    (RESULTS_PAGE, r"\| `dynsam` \| [\d.]+, ([\d.]+) \|", "buffered_dynsam.json", "seeds/2/sync_final_accuracy", 1, 2),
+    (RESULTS_PAGE, r"\| `dynsam` \|[^\n]*x \| \+([\d.]+),", "buffered_dynsam.json", "seeds/1/final_gap", 1, 2),
+    (RESULTS_PAGE, row("KB down a client-round, controlled runs", 0, r"\d+"), "downlink_controlled.json", "float32/down", KIB, 0),
+    (RESULTS_PAGE, row("KB down a client-round, controlled runs", 1, r"\d+"), "downlink_controlled.json", "delta/down", KIB, 0),
+    (RESULTS_PAGE, row("KB down a client-round, field runs", 0, r"\d+"), "downlink.json", "float32/down", KIB, 0),
+    (RESULTS_PAGE, row("KB down a client-round, field runs", 1, r"\d+"), "downlink.json", "delta/down", KIB, 0),
+    (RESULTS_PAGE, r"points lost to the deltas, controlled runs \| \| ([\d.]+)", "downlink_controlled.json",
+     "points_lost/final_accuracy", 1, 2),
+    (RESULTS_PAGE, row("every cell", 1, r"\d+"), "composition.json", "cells_ok", 1, 0),
+    (RESULTS_PAGE, row("the pairwise subset", 1, r"\d+"), "composition_pairwise.json", "cells_ok", 1, 0),
+    (RESULTS_PAGE, row("the pairwise subset", 2, r"\d+") + " of the 96", "composition_pairwise.json", "refused_count", 1, 0),
+    (RESULTS_PAGE, r"\| (\d+) of \d+ \| \d+ \| \d+ \|", "fault_drill.json", "rounds_finished", 1, 0),
+    (RESULTS_PAGE, r"\| \d+ of \d+ \| (\d+) \| \d+ \|", "fault_drill.json", "updates_trained", 1, 0),
+    (RESULTS_PAGE, r"\| \d+ of \d+ \| \d+ \| (\d+) \|", "fault_drill.json", "outcomes/accepted", 1, 0),
+    (RESULTS_PAGE, r"\(`stale`\) \| (\d+) \|", "fault_drill.json", "lost_without_reason", 1, 0),
     ("docs/PRIVACY.md", r"non-private run ends at \*\*([\d.]+)%", "privacy.json",
      f"runs/{MOMENTUM_ROW}/none/final_accuracy_mean", 100, 2),
     *[("docs/PRIVACY.md", r"private ones at \*\*" + r"[\d.]+ / " * i + r"([\d.]+)", "privacy.json",
        f"runs/{MOMENTUM_ROW}/{eps}/final_accuracy_mean", 100, 2) for i, eps in enumerate(("8", "3", "1"))],
-    ("README.md", r"learns in 40 rounds \(([\d.]+)% without privacy", "privacy.json",
-     "runs/1000of10000, serve_average 0.5/none/final_accuracy_mean", 100, 2),
-    *[("README.md", r"learns in 40 rounds \([\d.]+% without privacy, " + r"[\d.]+ / " * i + r"([\d.]+)",
-       "privacy.json", f"runs/1000of10000, serve_average 0.5/{eps}/final_accuracy_mean", 100, 2)
-      for i, eps in enumerate(("8", "3", "1"))],
     *[("docs/PRIVACY.md", pattern, "privacy.json", f"runs/{DENSE_ROW}/{eps}/final_accuracy_mean", 100, 2)
       for pattern, eps in ((r"end at \*\*([\d.]+)%\*\* without privacy and", "none"),
                            (r"without privacy and\s+\*\*([\d.]+) /", "8"), (r"without privacy and\s+\*\*[\d.]+ / ([\d.]+) /", "3"),
                            (r"without privacy and\s+\*\*[\d.]+ / [\d.]+ / ([\d.]+)%", "1"))],
-    ("README.md", r"MLP reaches\s+([\d.]+)% in one central epoch", "privacy.json", "central_reference/accuracy", 100, 2),
     ("docs/PRIVACY.md", r"scores ([\d.]+)% after one epoch", "privacy.json", "central_reference/accuracy", 100, 2),
-    ("README.md", r"takes ([\d.]+)x the\s+time without DP", "privacy.json", "round_seconds/ratio", 1, 2),
-    *[("README.md", r"end at " + r"[\d.]+,?\s+(?:and\s+)?" * i + r"([\d.]+)", "privacy.json",
-       f"runs/10of20/8/final_accuracy/{i}", 100, 2) for i in range(3)],
-    *[("README.md", r"epsilon 8 against " + r"[\d.]+,?\s+(?:and\s+)?" * i + r"([\d.]+)", "privacy.json",
-       f"runs/10of20/none/final_accuracy/{i}", 100, 2) for i in range(3)],
-    ("README.md", r"peak RSS is (\d+) /", "runtime.json", "coordinator_rss_mb/100", 1, 0),
-    ("README.md", r"peak RSS is \d+ / (\d+) /", "runtime.json", "coordinator_rss_mb/300", 1, 0),
-    ("README.md", r"peak RSS is \d+ / \d+ / (\d+) MB", "runtime.json", "coordinator_rss_mb/1000", 1, 0),
-    ("README.md", r"MB\); (\d+) / \d+ / \d+ updates/s", "runtime.json", "updates_per_s/100", 1, 0),
-    ("README.md", r"MB\); \d+ / (\d+) / \d+ updates/s", "runtime.json", "updates_per_s/300", 1, 0),
-    ("README.md", r"MB\); \d+ / \d+ / (\d+) updates/s", "runtime.json", "updates_per_s/1000", 1, 0),
-    ("README.md", r"all (\d+) cells of a\s+pairwise", "composition_pairwise.json", "cells_ok", 1, 0),
-    ("README.md", r"(\d+) of the\s+96 cells are refused", "composition_pairwise.json", "refused_count", 1, 0),
-    ("README.md", r"all (\d+) cells ran and ended better", "composition.json", "cells_ok", 1, 0),
-    ("README.md", r"spends ([\d.]+) ms of CPU per\s+update in sites", "scale.json",
-     "coordinator_cpu_s_per_update/tree", 1000, 2),
-    ("README.md", r"in sites against ([\d.]+) ms flat", "scale.json", "coordinator_cpu_s_per_update/flat", 1000, 2),
-    ("README.md", r"as with 1,000 \(([\d.]+)x\)", "spool.json", "ratio_last_to_first", 1, 2),
-    ("README.md", r"carries (\d+)x fewer bytes", "scale.json", "ratio_flat_over_tree", 1, 0),
-    ("README.md", r"more\s+\(\+(\d+)%\) at 10,000", "scale.json", "tree_growth_low_to_high", 100, 0),
-    ("README.md", r"final accuracy ([\d.]+)x sooner", "buffered.json", "speedup_median", 1, 1),
-    ("README.md", r"the same fleet and settings\): ([\d.]+)x sooner", "buffered_dynsam.json", "speedup_median", 1, 2),
-    ("README.md", r"ending\s+\+([\d.]+) and", "buffered_dynsam.json", "seeds/1/final_gap", 1, 2),
-    ("README.md", r"from the sync runs' ([\d.]+) and", "buffered_dynsam.json", "seeds/1/sync_final_accuracy", 1, 2),
-    ("README.md", r"takes (\d+)-\d+ KB", "downlink_controlled.json", "delta/down", KIB, 0),
-    ("README.md", r"takes \d+-(\d+) KB", "downlink.json", "delta/down", KIB, 0),
-    ("README.md", r"instead of\s+(\d+)-\d+ KB", "downlink_controlled.json", "float32/down", KIB, 0),
-    ("README.md", r"instead of\s+\d+-(\d+) KB", "downlink.json", "float32/down", KIB, 0),
-    ("README.md", r"ends ([\d.]+) points lower", "downlink_controlled.json", "points_lost/final_accuracy", 1, 2),
     ("docs/OPERATOR.md", r"10 agents \(median of rounds 2-5\) \| ([\d.]+)", "runtime.json", "overhead_ratio/10", 1, 3),
     ("docs/OPERATOR.md", r"same, 50 agents \| ([\d.]+)", "runtime.json", "overhead_ratio/50", 1, 3),
     ("docs/OPERATOR.md", r"10 / 50 agents \| ([\d.]+) /", "runtime.json",
@@ -210,12 +217,14 @@ DERIVED = {  # numbers the docs quote that the files hold only in parts
     "headline_vs/dynsam/fedavg": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedavg"),
     "headline_vs/dynsam/fedsmoo": lambda d: headline_mean(d, "dynsam") - headline_mean(d, "fedsmoo"),
 }
-SECTIONS = {"README.md": "## Measured", "docs/OPERATOR.md": "## Running on a real fleet: what to expect",
-            "docs/PRIVACY.md": "## Choosing the numbers"}
+SECTIONS = {RESULTS_PAGE: None, "docs/OPERATOR.md": "## Running on a real fleet: what to expect",
+            "docs/PRIVACY.md": "## Choosing the numbers"}  # None: the whole page
 
 
 def section(doc: str) -> str:
     text = (ROOT / doc).read_text()
+    if SECTIONS[doc] is None:
+        return text
     start = text.index(SECTIONS[doc])
     end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else None]
@@ -236,10 +245,10 @@ def test_the_docs_quote_their_results_file(doc, pattern, name, path, scale, deci
         f"{doc} says {found.group(1)} ({found.group(0)!r}); {name} {path} gives {round(value * scale, decimals)}")
 
 
-def test_the_readme_choice_table_is_field_json():
-    """README's across-settings table: each cell "final (margin)" is field.json's mean over the seeds and its
-    difference from FedAvg with the same client optimizer; the worst margin and the passes alike."""
-    text = section("README.md")
+def test_the_choice_table_is_field_json():
+    """RESULTS.md's across-settings table: each cell "final (margin)" is field.json's mean over the seeds and
+    its difference from FedAvg with the same client optimizer; the worst margin and the passes alike."""
+    text = section(RESULTS_PAGE)
     table = text[text.index("The choice: final accuracy %"):].split("\n\n")[1]
     data = load("field.json")["settings"]
     settings = ["mnist5k_dirichlet0.1_20clients", "synthetic1,1_30clients", "digits_shards2_20clients"]
@@ -252,11 +261,40 @@ def test_the_readme_choice_table_is_field_json():
             final, margin = map(float, re.fullmatch(r"([\d.]+) \(([+-][\d.]+)\)", cell).groups())
             mine = data[setting][row]["final_accuracy"]
             fedavg = data[setting]["fedavg+" + row.split("+")[1]]["final_accuracy"]
-            assert final == round(sum(mine) / len(mine), 2), f"README: {row} on {setting} says {final}"
+            assert final == round(sum(mine) / len(mine), 2), f"RESULTS.md: {row} on {setting} says {final}"
             assert margin == round(sum(mine) / len(mine) - sum(fedavg) / len(fedavg), 2), (row, setting, margin)
             margins.append(margin)
-        assert float(cells[4]) == pytest.approx(min(margins), abs=0.011), f"README: {row}'s worst case"
+        assert float(cells[4]) == pytest.approx(min(margins), abs=0.011), f"RESULTS.md: {row}'s worst case"
         passes = max(data[s][row]["passes_vs_fedavg"] for s in settings)
-        assert cells[5] == f"{passes:.2f}x", f"README: {row}'s passes say {cells[5]}, field.json {passes:.2f}x"
+        assert cells[5] == f"{passes:.2f}x", f"RESULTS.md: {row}'s passes say {cells[5]}, field.json {passes:.2f}x"
         checked += 1
     assert checked >= 5
+
+
+def test_the_attack_table_is_attacks_json():
+    """RESULTS.md's MNIST attack table: each cell "mean (worse seed against absent), ASR low-high%" is attacks.json's."""
+    text = section(RESULTS_PAGE)
+    table = text[text.index("MNIST: final accuracy, mean of the seeds"):].split("\n\n")[1]
+    runs = load("attacks.json")["runs"]["mnist5k_dirichlet0.5_20clients"]
+    folds = ["centered_clip", "centered_clip+serve0", "mean"]
+    checked = 0
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        run = cells[0]
+        for fold, cell in zip(folds, cells[1:]):
+            if cell == "-":
+                assert fold not in runs[run], f"RESULTS.md: {run} under {fold} is in attacks.json"
+                continue
+            found = re.fullmatch(r"([\d.]+)(?: \(([+-]?[\d.]+)\))?(?:, ASR (\d+)(?:-(\d+))?%)?", cell)
+            assert found, f"RESULTS.md: {run} under {fold}: {cell!r}"
+            accuracy = runs[run][fold]["final_accuracy"]
+            assert float(found[1]) == round(100 * sum(accuracy) / len(accuracy), 2), (run, fold, cell)
+            if found[2] is not None:
+                absent = runs["absent@" + run.split("@")[1]][fold]["final_accuracy"]
+                worst = round(100 * max(a - b for a, b in zip(absent, accuracy)), 1)
+                assert float(found[2]) == pytest.approx(-worst, abs=1e-9), (run, fold, cell, -worst)
+            if found[3] is not None:
+                success = runs[run][fold]["attack_success"]
+                assert (int(found[3]), int(found[4] or found[3])) == (round(100 * min(success)), round(100 * max(success)))
+            checked += 1
+    assert checked >= 40

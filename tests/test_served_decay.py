@@ -1,7 +1,7 @@
-"""bench/served_decay.py: the cross-settings rows re-scored at each serve_average from the same runs."""
+"""research/served_decay.py: the cross-settings rows re-scored at each serve_average from the same runs."""
 
-from bench import served_decay
 from bench.field_settings import SETTINGS
+from research import served_decay
 
 
 def _run(setting: str, variant: str, seed: int, last: list[float], smooth: list[float]) -> dict:

@@ -1,4 +1,4 @@
-"""`make setup` refuses a CUDA build of torch before downloading it (bench/pi/cpu_torch.py reads pip's dry-run report)."""
+"""`make setup` refuses a CUDA build of torch before downloading it (checks/pi/cpu_torch.py reads pip's dry-run report)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _report(tmp_path: Path, names: list[tuple[str, str]]) -> Path:
 
 
 def _check(report: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench/pi/cpu_torch.py"), str(report), "torch==2.13.0"],
+    return subprocess.run([sys.executable, str(ROOT / "checks/pi/cpu_torch.py"), str(report), "torch==2.13.0"],
                           capture_output=True, text=True)
 
 

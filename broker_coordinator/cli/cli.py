@@ -35,8 +35,7 @@ def build_parser(simulate: bool = True) -> argparse.ArgumentParser:
                                      "configured count or SIGTERM. Resumes from the last checkpoint in state_dir.")
     default_config = "default /etc/edgefl/coordinator.toml or $EDGEFL_COORDINATOR_CONFIG"
     run.add_argument("--config", default=None,
-                     help=f"coordinator TOML config (its sections and keys: docs/OPERATOR.md, 'The coordinator's "
-                          f"configuration'; {default_config})")
+                     help=f"coordinator TOML config (every section and key: docs/CONFIGURATION.md; {default_config})")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
     stat.add_argument("--config", default=None, help=f"coordinator TOML config ({default_config})")
@@ -49,7 +48,7 @@ def build_parser(simulate: bool = True) -> argparse.ArgumentParser:
     back.add_argument("--config", default=None, help=f"coordinator TOML config ({default_config})")
     back.add_argument("--to", type=bounded(int, 1), required=True, metavar="ROUND", help="the round to go back to")
     back.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    site = sub.add_parser("site-aggregator", help="aggregate a site's updates beside its broker (see sites.py)",
+    site = sub.add_parser("site-aggregator", help="aggregate a site's updates beside its broker (docs/ARCHITECTURE.md, 'Sites')",
                           description="Task the site's devices for each site task, validate and fold their "
                                       "updates, and send one signed partial per round up the bridge. The config "
                                       "comes from 'broker-config --site NAME'.")
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                                                RegistryError, StateLocked, StoreError, ValueError, TimeoutError,
                                                OSError)
     if not hasattr(args, "run"):  # the operator commands (args.run) do without torch
-        from broker_coordinator.engine.coordinator import RoundFailed
+        from broker_coordinator.engine.rounds import RoundFailed
         errors += (RoundFailed,)
     try:
         if args.command == "simulate":

@@ -22,11 +22,12 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
     from edgefl_protocol import (
         algorithms,  # imports torch: only when a command needs it
     )
-    defaults = RoundSettings()  # simulate's defaults are the runtime's (README: "Field benchmark")
+    defaults = RoundSettings()  # simulate's defaults are the runtime's
 
     sim.add_argument("--config", type=Path, default=None, metavar="FILE",
-                     help="a coordinator config (broker_coordinator/settings/config.py): its [rounds] section is simulated "
-                          "exactly, and only the round flags given on this command line override it")
+                     help="a coordinator config (docs/CONFIGURATION.md): its round sections ([schedule], [algorithm], "
+                          "[fold], ...) are simulated exactly, and only the round flags given on this command line "
+                          "override them")
     sim.add_argument("--agents", type=bounded(int, 1, 500), default=10, help="number of agent processes")
     sim.add_argument("--rounds", type=bounded(int, 1, 100000), default=20, help="federated rounds")
     sim.add_argument("--dataset", default="mnist5k",

@@ -1,5 +1,5 @@
 """DR-SAM, "Dynamic Regularized SAM", exactly as the project's design note
-describes it (docs/DRSAM.md sections 2-5; not the ICML 2023 paper, which is
+describes it (docs/DRSAM.md; not the ICML 2023 paper, which is
 `fedsmoo`). Each client derives, each round, a consistency strength lambda_k
 and a SAM radius rho_k from three signals it measures for free.
 
@@ -16,7 +16,7 @@ Strengths:
     rho_max_k  = rho_max * clamp(median_sigma / sigma_bar_k, 0.25, 4) once the server broadcasts
                  median_sigma (after the first 10 rounds; sigma_bar_k = this client's mean sigma
                  over its participations in them; sigma_bar_k = 0 keeps rho_max)
-Timing (DRSAM.md section 2 choice): steps < m use the lambda, rho this client ended its previous
+Timing (docs/DRSAM.md "Strengths"): steps < m use the lambda, rho this client ended its previous
 participation with (first participation: lambda = 0, rho = rho_max_k); after step m they are
 recomputed from this round's sigma and the previous participation's gamma and tau.
 Warm-up (first 3 rounds): gamma := 1, lambda := 0, no perturbation: exactly FedAvg's local update.

@@ -1,7 +1,7 @@
 """DynSAM: FedDyn's drift-correcting dual + CPU-sized SAM whose per-client
 radius and pull strength come from DR-SAM's free local signals, normalized by
 the federation's running medians. The project's own algorithm
-(docs/DRSAM.md section 8 explains why DR-SAM as written needed it).
+(docs/DRSAM.md "`dynsam`" explains why DR-SAM as written needed it).
 
 What it keeps from DR-SAM: per-client, per-round strengths from sharpness
 (sigma) and consistency (gamma) measured on passes training does anyway.
