@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-settings, served-decay, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost, engine-parity,
+# field, field-settings, served-decay, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost, engine-parity, pacing,
 # pi-check, pi-dp-sgd, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
@@ -32,7 +32,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
+.PHONY: pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -82,6 +82,9 @@ privacy: setup  # bench/results/privacy.json, privacy.md: accuracy against epsil
 
 spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
 	nice -n 10 $(BIN)/python -m bench.spool
+
+pacing: setup  # bench/results/pacing.json, .md: a simulated day of the demo's fleet, back to back against the paced defaults (about 5 minutes)
+	nice -n 5 $(BIN)/python -m bench.pacing $(PACING_ARGS)
 
 engine-parity: setup mosquitto  # bench/results/engine_parity.json, .md: cached runs reproduced round by round, runtime's scale beside v0.1.0 (resumable)
 	nice -n 10 $(BIN)/python -m bench.engine_parity $(ENGINE_PARITY_ARGS)

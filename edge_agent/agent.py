@@ -23,6 +23,11 @@ residual only for what was folded, as it was folded (`settlement`); an update
 still without a verdict is resent before the next training task. A task it will not run
 (settings out of range, a model that does not fit) gets a signed refusal
 with the reason, so the coordinator can say why a round found no quorum.
+
+The owner's conditions (`conditions`: hours, load, temperature, CPU-seconds a day) decide whether
+the device may train now; its status says so (`eligible`, `why`), checked again while idle and
+republished only when the answer changes, and a task that arrives while it may not train is
+refused with the reason. A training that has started is finished.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from models.architectures import ModelError, build_model, fingerprint, get_weigh
 from models.datasets import DatasetError
 from models.objectives import Objective, format_score
 
+from .conditions import Conditions, Reason
 from .config import AgentConfig
 from .data_sources import DataSource, LocalData, check_fits, open_source
 from .delivery import Delivery
@@ -57,6 +63,7 @@ from .training import Stopped
 
 log = logging.getLogger("edge_agent")
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
+CONDITIONS_EVERY = 10.0  # seconds between checks of the owner's conditions while idle
 
 
 class Agent:
@@ -83,6 +90,12 @@ class Agent:
         threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
         self.profile = {**probe(), "threads": threads, "samples": 0}  # samples: as of the last round
+        self.conditions = Conditions(config.conditions, config.device.state_dir)
+        self.not_eligible: Reason | None = self.conditions.check()  # replaced whole: the network thread reads it
+        self._next_check = time.monotonic() + CONDITIONS_EVERY
+        if self.conditions.enabled:
+            log.info("the owner's conditions: %s%s", self.conditions.describe(),
+                     f"; may not train now: {self.not_eligible}" if self.not_eligible else "")
         b = config.broker
         self.session = Session(self.device, b.username, b.password, b.host, b.port, self._on_connect,
                                self._on_message, keepalive=b.keepalive,
@@ -94,10 +107,35 @@ class Agent:
 
     def _status(self, state: str) -> bytes:
         profile = {**self.profile, "busy": self.busy, "last_round": int(self.state.data.get("last_round", 0))}
+        why = self.not_eligible
+        profile["eligible"] = why is None  # the coordinator selects only eligible devices (presence.py)
+        if why is not None:
+            profile["why"] = why.text
         return messages.encode("status", messages.Status(self.device, state, profile))
 
     def _announce(self) -> None:
         self.session.publish(topics.status(self.fed, self.device), self._status("online"), retain=True)
+
+    def _recheck(self, announce: bool = True) -> Reason | None:
+        """The owner's conditions now; a change of whether (and by which condition) the device may
+        not train is logged and, with `announce`, published. Readings that move within the same
+        condition are not: the broker hears of changes only."""
+        reason = self.conditions.check()
+        before = self.not_eligible
+        self.not_eligible = reason
+        if (before and before.condition) != (reason and reason.condition):
+            if reason:
+                log.info("may not train now: %s", reason)
+            else:
+                log.info("may train again: the owner's conditions are met")
+            if announce:
+                self._announce()
+        return reason
+
+    def _idle_tick(self) -> None:
+        if self.conditions.enabled and time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + CONDITIONS_EVERY
+            self._recheck()
 
     # paho callbacks (network thread) -------------------------------------------------
     def _on_connect(self, client) -> None:  # noqa: ANN001
@@ -131,6 +169,7 @@ class Agent:
                 try:
                     task = self.tasks.get(timeout=0.5)
                 except queue.Empty:
+                    self._idle_tick()
                     continue
                 self._handle(task)
         finally:
@@ -164,6 +203,11 @@ class Agent:
     def _work_on(self, task: messages.Task) -> None:
         if time.time() > task.deadline:
             log.warning("round %d: task arrived after its deadline; skipped", task.round)
+            return
+        if self.conditions.enabled and (reason := self._recheck()) is not None:
+            # selected before its status said so (or by a coordinator of the previous release): not an error
+            log.info("round %d: refusing the task: %s", task.round, reason)
+            self._refuse(task, Rejected("ineligible", reason.text))
             return
         got = self.fetch.wait_for_model(task.model_version, task.deadline)
         if got is None:
@@ -258,8 +302,26 @@ class Agent:
                                      float(evaluation["eval_loss"]), int(evaluation["eval_count"]), self.fed)
         self.delivery.deliver(task, messages.encode_report(report, self.key or b""), "evaluation report")
 
+    def _another_task(self, task: messages.Task, release: messages.ModelRelease) -> None:
+        """A federation's new task (another network, or another algorithm): what this device kept for
+        the old one, its algorithm's state and what top-k still owed, means nothing for the new one."""
+        trains = f"{release.fingerprint}/{task.algorithm}"
+        before = self.state.data.get("trains")
+        self.state.data["trains"] = trains
+        if before is None or before == trains:  # an agent of an earlier release kept no record: keep its state
+            return
+        dropped = sorted(k for k in self.state.data if k in algorithms.ALGORITHMS or k == "codec")
+        for key in dropped:
+            del self.state.data[key]
+        self.settlement.unsettled = self.settlement.committed = None
+        self.state.save()
+        log.info("round %d: the federation trains another model or algorithm (%s %s) than this device did: "
+                 "its state for the old one starts afresh (%s)", task.round, release.arch, task.algorithm,
+                 ", ".join(dropped) or "nothing kept")
+
     def _train_and_send(self, task: messages.Task, release: messages.ModelRelease, model: torch.nn.Module,
                         data: LocalData, evaluation: dict) -> None:
+        self._another_task(task, release)
         self.settlement.settle_unsettled(task)  # an earlier update without a verdict: asked for before training
         down = self.fetch.take_down_counts()  # reported once: given back if the update is not accepted
         # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
@@ -268,13 +330,16 @@ class Agent:
         self.busy = True
         self._announce()
         try:
-            step = device_step(task, model, data.train, self.state.data, device=self.device, federation=self.fed,
-                               key=self.key or b"", seed=agent_seed(self.device, task.round),
-                               budget=Budget(lambda: self._speed(release.arch, model), task.deadline - time.time()),
-                               released=self.released, report=report, down=down, should_stop=self.stopping.is_set)
+            with self.conditions.training():  # its CPU-seconds count against the owner's daily cap
+                step = device_step(task, model, data.train, self.state.data, device=self.device,
+                                   federation=self.fed, key=self.key or b"", seed=agent_seed(self.device, task.round),
+                                   budget=Budget(lambda: self._speed(release.arch, model),
+                                                 task.deadline - time.time()),
+                                   released=self.released, report=report, down=down,
+                                   should_stop=self.stopping.is_set)
         except Stopped:
             self.fetch.give_back_down_counts(down)
-            log.warning("round %d: stopped mid-training by shutdown; no update sent", task.round)
+            log.info("round %d: stopped mid-training by shutdown; no update sent", task.round)
             return
         finally:
             self.busy = False
@@ -286,6 +351,8 @@ class Agent:
         speeds[release.arch] = (1 - SPEED_SMOOTHING) * speeds.get(release.arch, measured) + SPEED_SMOOTHING * measured
         self.state.data["last_round"] = task.round
         self.state.data["last_model_version"] = task.model_version
+        if self.conditions.enabled:
+            self._recheck(announce=False)  # e.g. the daily cap reached: the status below says so
         self._announce()  # idle before the update goes out, so the next round can select us at once
         log.info("round %d: trained (%d samples, %d epochs: %s, loss %.4f, %.2f s)", task.round,
                  result.num_samples, step.epochs, step.epochs_reason, result.metrics["train_loss"],

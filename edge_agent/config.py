@@ -28,6 +28,12 @@
     holdout = 0.2               # fraction held out for federated evaluation, never trained on
     state_dir = ""              # spool: where its cursor and window list live ("" = [device] state_dir)
 
+    [conditions]                # optional, set by the device's owner: when it may train (edge_agent/conditions.py)
+    hours = "22:00-06:00"       # local time; several as "12:00-13:00, 22:00-06:00"; "" = any time
+    max_load = 1.5              # 1-minute load average per core, its own training left out; 0 = no limit
+    max_temperature = 70        # degrees Celsius, the hottest /sys/class/thermal zone; 0 = no limit
+    daily_cpu_seconds = 3600    # CPU-seconds of training per local day, kept across restarts; 0 = no cap
+
 A spool is a directory the device's own application writes small `.npz` (x, y)
 or `.csv` batches into, each under a unique name by atomic rename (write
 `name.tmp` or `.name`, then rename; those are ignored). Each round the agent
@@ -44,6 +50,11 @@ by re-reading the files named in `<state_dir>/spool.msgpack`.
 Holdout is a stable per-sample draw (a hash of file name and row, or of the
 index for a fixed file), so a held-out sample never trains later.
 
+A device that may not train now (outside its hours, over a threshold, or
+over its daily CPU-seconds) says why in its status, is not selected, and
+refuses a task that arrives anyway; a training that has started finishes.
+Every condition is off by default.
+
 Environment overrides: EDGEFL_AGENT_BROKER_HOST, EDGEFL_AGENT_DEVICE_THREADS,
 EDGEFL_AGENT_DATA_WINDOW, ... (a list as "3,128").
 """
@@ -51,11 +62,13 @@ EDGEFL_AGENT_DATA_WINDOW, ... (a list as "3,128").
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgefl_protocol import signing, topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
+
+from .conditions import Hours
 
 ENV_PREFIX = "EDGEFL_AGENT"
 
@@ -147,11 +160,32 @@ class DataSettings:
 
 
 @dataclass
+class ConditionsSettings:
+    hours: str = ""  # local times it may train, e.g. "22:00-06:00" or "12:00-13:00, 22:00-06:00"
+                     # (a range may cross midnight); "" = any time
+    max_load: float = 0.0  # no training starts while the 1-minute load average per core, less its own
+                           # training's share, is above this; 0 = no limit
+    max_temperature: float = 0.0  # degrees Celsius: no training starts while the hottest /sys/class/thermal
+                                  # zone is above this; 0 = no limit (nor on a board without a sensor)
+    daily_cpu_seconds: float = 0.0  # CPU-seconds (all its threads) it may train per local day, counted
+                                    # across restarts, checked before a task starts; 0 = no cap
+
+    def validate(self) -> None:
+        Hours(self.hours)  # raises ValueError naming `hours`
+        for name in ("max_load", "max_temperature", "daily_cpu_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
+        if self.max_temperature > 150:
+            raise ValueError(f"max_temperature is in degrees Celsius (e.g. 70), got {self.max_temperature:g}")
+
+
+@dataclass
 class AgentConfig:
     broker: BrokerSettings
     device: DeviceSettings
     path: Path
     data: DataSettings  # from [data], or from the legacy [device] data
+    conditions: ConditionsSettings = field(default_factory=ConditionsSettings)  # the owner's [conditions]
 
 
 def _data_settings(raw: dict, device: DeviceSettings, path: Path) -> DataSettings:
@@ -177,8 +211,11 @@ def load_config(path: Path | str) -> AgentConfig:
     path = Path(path)
     raw = read_toml(path)
     for section in raw:
-        if section not in ("broker", "device", "data"):
-            raise ConfigError(f"{path}: unknown section [{section}]; expected [broker], [device] and [data]")
+        if section not in ("broker", "device", "data", "conditions"):
+            raise ConfigError(f"{path}: unknown section [{section}]; expected [broker], [device], [data] "
+                              "and [conditions]")
     broker = build_section(BrokerSettings, raw.get("broker", {}), f"{path} [broker]", f"{ENV_PREFIX}_BROKER")
     device = build_section(DeviceSettings, raw.get("device", {}), f"{path} [device]", f"{ENV_PREFIX}_DEVICE")
-    return AgentConfig(broker, device, path, _data_settings(raw, device, path))
+    conditions = build_section(ConditionsSettings, raw.get("conditions", {}), f"{path} [conditions]",
+                               f"{ENV_PREFIX}_CONDITIONS")
+    return AgentConfig(broker, device, path, _data_settings(raw, device, path), conditions)

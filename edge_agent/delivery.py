@@ -73,8 +73,8 @@ class Delivery:
             if receipt is None:
                 log.info("round %d: no receipt for the %s yet; sending it again", task.round, what)
                 continue
-            if receipt.accepted and receipt.verdict == "pending":
-                log.info("round %d: %s accepted by the coordinator%s", task.round, what, describe(receipt))
+            if receipt.accepted and receipt.verdict == "pending":  # the final verdict follows: one line for both
+                log.debug("round %d: %s accepted by the coordinator%s", task.round, what, describe(receipt))
                 receipt = self._await_final(key, task.deadline + SETTLE_WAIT) or receipt
             self.last_receipt = receipt
             if receipt.accepted:
@@ -82,11 +82,13 @@ class Delivery:
                         "round %d: %s accepted by the coordinator%s%s", task.round, what, describe(receipt),
                         f" (sent {sends} times)" if sends > 1 else "")
                 return "pending" if receipt.verdict == "pending" else "accepted"
-            log.warning("round %d: %s rejected by the coordinator: %s: %s", task.round, what,
-                        receipt.reason, receipt.detail)
+            # too late or overtaken (a slow link, a coordinator restart) is routine; anything else is not
+            log.log(logging.INFO if receipt.reason in ("stale", "late", "too_stale") else logging.WARNING,
+                    "round %d: %s rejected by the coordinator: %s: %s", task.round, what, receipt.reason,
+                    receipt.detail)
             return "rejected"
         if self.stopping.is_set():
-            log.warning("round %d: shutting down before the coordinator's receipt for the %s (sent %d times)",
+            log.info("round %d: shutting down before the coordinator's receipt for the %s (sent %d times)",
                         task.round, what, sends)
             return "no_receipt"
         if sends == 0:

@@ -34,9 +34,11 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     install.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     install.set_defaults(handler=run_install)
 
-    status = sub.add_parser("status", help="enrolled or not, broker reachable, last round, service state",
+    status = sub.add_parser("status", help="enrolled or not, broker reachable, last round, may it train now, "
+                                           "service state",
                             description="Whether this device is enrolled, whether its broker accepts its "
-                                        "credentials, the last round it trained, and the systemd service's state.")
+                                        "credentials, the last round it trained, its owner's [conditions] and "
+                                        "whether it may train now (and why not), and the systemd service's state.")
     status.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the agent config (default: %(default)s)")
     status.set_defaults(handler=run_status)
 

@@ -19,8 +19,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgefl_protocol.persist import atomic_write
+
+if TYPE_CHECKING:
+    from .config import AgentConfig
 
 UNIT_NAME = "edge-agent.service"
 # systemd/ of the source tree (an editable install), else the copy the wheel installs (pyproject's data-files)
@@ -108,7 +112,8 @@ def service_state() -> str:
 
 
 def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
-    """Enrolled or not, broker reachable, last round, service state. Exit 0 when enrolled and reachable.
+    """Enrolled or not, broker reachable, last round, the owner's conditions and whether it may train
+    now, service state. Exit 0 when enrolled and reachable.
     While the agent is connected, its session file says so: signing in as the device here would
     drop the agent's own session (the broker lets one connection per device in)."""
     from edgefl_protocol.settings import ConfigError
@@ -143,8 +148,18 @@ def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
     last = state.get("last_round")
     lines.append(f"last round: {last if last is not None else 'none yet'}"
                  + (f" (model version {state.get('last_model_version')})" if last is not None else ""))
+    lines += conditions_lines(config)
     lines.append(f"service:    {service_state()}")
     return (0 if reachable else 1), lines
+
+
+def conditions_lines(config: AgentConfig) -> list[str]:
+    """The owner's conditions and whether the device may train now, read as the agent reads them."""
+    from .conditions import Conditions
+    conditions = Conditions(config.conditions, config.device.state_dir)
+    why = conditions.check()
+    return [f"conditions: {conditions.describe()}",
+            f"may train:  {'yes' if why is None else f'no: {why}'}"]
 
 
 def _check_credentials(config, timeout: float) -> tuple[bool, str]:  # noqa: ANN001 - an AgentConfig

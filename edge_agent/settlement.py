@@ -120,9 +120,14 @@ def apply_verdict(data: dict[str, Any], sent: Sent, kind: str, scale: float = 1.
     elif kind == "rejected" and sent.encoded.residual is not None:
         ef["residual"] = owed(sent.delta, sent.old_residual)
         claims = (ef.get("owed", []) + [f"{sent.task.round}.{sent.task.attempt}"])[-MAX_CLAIMS:]
+        # a retry of this round from the same model retrains this delta: then it is owed no more
+        ef["retry"] = {"round": sent.task.round, "version": sent.task.model_version,
+                       "claim": f"{sent.task.round}.{sent.task.attempt}", "residual": sent.old_residual or {}}
     elif kind == "unknown":
         claims = ef.get("owed", [])  # kept until the update is settled
     ef["owed"] = claims
+    if kind != "rejected":
+        ef.pop("retry", None)
     for name in ("residual", "owed"):
         if not ef.get(name):
             ef.pop(name, None)
@@ -157,6 +162,7 @@ class Settlement:
         update still without a verdict (bounded wait), and settle it by the answer; give up on the
         safe side if none comes."""
         self._undo_if_abandoned()
+        self._drop_retrained(task)
         sent, self.unsettled = self.unsettled, None
         if sent is None:
             return
@@ -180,6 +186,23 @@ class Settlement:
         else:
             log.info("round %d: the round %d update settled: %s", task.round, sent.task.round, kind)
         self.state.save()
+
+    def _drop_retrained(self, task: messages.Task) -> None:
+        """A new attempt of the round whose update was rejected, from the same model, trains that delta
+        again: sending the owed copy beside it would count it twice, so the residual goes back to what
+        it was before that update."""
+        ef = self.state.section("codec")
+        retry = ef.get("retry")
+        if not retry or (retry["round"], retry["version"]) != (task.round, task.model_version):
+            return
+        ef["residual"] = retry["residual"]
+        ef["owed"] = [c for c in ef.get("owed", []) if c != retry["claim"]]
+        for name in ("residual", "owed", "retry"):
+            if not ef.get(name) or name == "retry":
+                ef.pop(name, None)
+        self.state.save()
+        log.info("round %d (attempt %d): the delta owed for attempt %s is dropped: this attempt trains it again "
+                 "from the same model", task.round, task.attempt, retry["claim"].split(".")[1])
 
     def _undo_if_abandoned(self) -> None:
         """Before training: if the update committed last was left out after all (a second receipt: its

@@ -107,8 +107,14 @@ class Session:
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         if reason_code.is_failure:
-            self.refused = str(reason_code)
-            log.error("broker %s:%d refused the connection: %s", self.host, self.port, reason_code)
+            # said once at ERROR (a revoked device retries with backoff for as long as it runs), again
+            # only when the reason changes
+            said, self.refused = self.refused, str(reason_code)
+            log.log(logging.DEBUG if said == self.refused else logging.ERROR,
+                    "broker %s:%d refused the connection: %s%s", self.host, self.port, reason_code,
+                    "; its credentials are not (or no longer) valid: was it revoked or its password rotated? "
+                    "Enroll it again, or stop the service" if "authori" in self.refused.lower()
+                    or "password" in self.refused.lower() else "")
             return
         self.refused = None
         self.connected.set()

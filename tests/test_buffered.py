@@ -127,7 +127,7 @@ def test_stale_updates_count_less_and_too_stale_ones_are_dropped(tmp_path, caplo
     c.version = 3  # the server moved on while the tasks were out
     for attempt, (device, version) in enumerate([("d1", 3), ("d2", 2), ("d3", 0)], start=1):
         _task(c, device, version, attempt)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         c.intake.on_update(buffer, "d1", _answer(c, "d1", 3, 1, 0.1, num_samples=30), time.time())  # fresh
         c.intake.on_update(buffer, "d2", _answer(c, "d2", 2, 2, 0.4, num_samples=10), time.time())  # 1 version old
         c.intake.on_update(buffer, "d3", _answer(c, "d3", 0, 3, 9.0), time.time())  # 3 versions old: S is 2
@@ -240,6 +240,6 @@ def test_simulate_buffered_applies_versions_from_stale_updates_and_drops_too_sta
     assert stale and all(m["staleness_factor"] == pytest.approx(1 / math.sqrt(2), abs=1e-4) for m in stale)
     assert all(m["staleness"] <= 1 for m in folded)
     dropped = sum(r["rejected"].get("too_stale", 0) for r in rounds)
-    assert dropped >= 1 and "rejected: too_stale: update was trained on model version" in result.stderr
+    assert dropped >= 1  # each one logged at INFO (routine for a buffered schedule) and told to its device
     logs = "".join(p.read_text() for p in (out / "run" / "devices").glob("*/agent.log"))
     assert logs.count("rejected by the coordinator: too_stale") == dropped  # each dropped device was told why

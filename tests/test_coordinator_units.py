@@ -159,7 +159,7 @@ def test_wrong_federation_model_codec_and_norm_are_rejected_with_their_reason(tm
     c, rnd = _coordinator_and_round(tmp_path)
     c.settings.max_update_norm = 10.0  # a delta of all ones over 4,810 weights has norm ~69
     before = {k: v.copy() for k, v in c.weights.items()}
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):  # a stale update is routine (INFO); the others are warnings
         c.intake.on_update(rnd, "d1", _update(c, **fields), time.time())
     assert c.intake.rejections[reason] == 1 and rnd.aggregate.count == 0
     assert any(detail in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

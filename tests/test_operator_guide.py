@@ -30,6 +30,7 @@ EXERCISED = {
     "broker-coordinator serve-enrollment": "tests/test_enrollment.py",
     "broker-coordinator run": "this file (one round; it hosts the enrollment desk)",
     "broker-coordinator status": "tests/test_runtime_e2e.py (test_status_command_reads_the_store)",
+    "broker-coordinator resume": "tests/test_pacing_service.py",
     "broker-coordinator devices add": "this file",
     "broker-coordinator devices list": "this file",
     "broker-coordinator devices revoke": "this file",

@@ -320,6 +320,57 @@ def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
         coordinator.close()
 
 
+def test_a_device_revoked_during_a_round_leaves_it_at_once(server):
+    """`devices revoke` while a round waits for a silent device: the coordinator sees the device's
+    status cleared, asks the registry, and the round closes with the answers it has instead of
+    waiting for its deadline."""
+    from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.engine.rounds import RoundState
+    from broker_coordinator.settings.round_settings import RoundSettings
+    from edgefl_protocol import codec, messages
+    from models.datasets import Dataset
+
+    pa, pb = enrolled(server, "dev-a"), enrolled(server, "dev-b")
+    registry = Registry(server.config.registry_path)
+    keys = registry.signing_keys(FEDERATION)
+    revoked = []
+
+    def revoke_dev_b_once_collecting(rnd) -> None:  # noqa: ANN001 (on the coordinator's thread)
+        if rnd.state == RoundState.COLLECTING and not revoked:
+            revoked.append(ops.revoke_device(server.config, "dev-b"))
+
+    test_set = Dataset(np.zeros((8, 60), np.float32), np.zeros(8, np.int64))
+    coordinator = Engine(FEDERATION, "logreg60", test_set, RoundSettings(round_timeout=120.0, min_updates=1),
+                         device_keys=keys, on_state=revoke_dev_b_once_collecting)
+    coordinator.intake.presence.admission = registry.admission
+    coordinator.connect("127.0.0.1", server.port, server.config.broker.username, server.config.broker.password)
+    devices = {name: session(server, name, pw) for name, pw in (("dev-a", pa), ("dev-b", pb))}
+    zero = {name: np.zeros_like(w) for name, w in coordinator.weights.items()}
+
+    def answer(client, userdata, msg) -> None:  # noqa: ANN001 (dev-a answers; dev-b stays silent)
+        task = messages.decode_task(msg.payload)
+        encoded = codec.encode(zero, task.codec)
+        update = messages.Update("dev-a", task.round, task.model_version, 10, {}, encoded.body, encoded.codec,
+                                 encoded.specs, FEDERATION, attempt=task.attempt)
+        client.publish(topics.update(FEDERATION, "dev-a"), messages.encode_update(update, keys["dev-a"]), qos=1)
+
+    try:
+        devices["dev-a"].client.on_message = answer
+        devices["dev-a"].subscribe(topics.task(FEDERATION, "dev-a"))
+        for name, recorder in devices.items():
+            online = messages.encode("status", messages.Status(name, "online"))
+            recorder.client.publish(topics.status(FEDERATION, name), online, qos=1, retain=True).wait_for_publish(5)
+        coordinator.wait_for_devices(2, 10)
+        record = coordinator.run_round(1)
+        assert revoked and "revoked" in revoked[0]
+        assert record.closed == "complete" and record.participants == 1, record  # not at the 120 s deadline
+        assert record.selected == 1  # dev-b left the cohort
+    finally:
+        for recorder in devices.values():
+            recorder.close()
+        coordinator.close()
+
+
 def test_devices_list_shows_online_state_and_registry_columns(server):
     pa = enrolled(server, "dev-a")
     enrolled(server, "dev-b")

@@ -222,6 +222,7 @@ def test_run_tracks_every_round_and_checkpoints_the_server_optimizer(tmp_path, m
         state_dir, uri = tmp_path / "state", f"file:{tmp_path / 'mlruns'}"
         config = tmp_path / "coordinator.toml"
         config.write_text(to_toml({
+            "pacing": {"interval": 0, "patience": 0},  # rounds back to back, as a test wants
             "federation": {"name": fed, "model": "digits_mlp", "rounds": 3,
                            "test_data": str(write_test_set(tmp_path / "test.npz", fleet.test))},
             "broker": {"host": broker.host, "port": broker.port, "username": COORDINATOR_USER,

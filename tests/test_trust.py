@@ -286,7 +286,7 @@ def test_rollback_from_the_command_line_and_refused_while_the_coordinator_runs(t
     store.close()
     np.savez(tmp_path / "test.npz", x=np.zeros((2, 64), np.float32), y=np.zeros(2, np.int64))
     config = tmp_path / "coordinator.toml"
-    config.write_text(to_toml({"federation": {"name": "u", "model": "digits_mlp", "test_data": str(tmp_path / "test.npz")},
+    config.write_text(to_toml({"pacing": {"interval": 0, "patience": 0}, "federation": {"name": "u", "model": "digits_mlp", "test_data": str(tmp_path / "test.npz")},
                                "broker": {"password": "x"}, "storage": {"state_dir": str(state)}}))
     root = Path(__file__).resolve().parent.parent
 
@@ -356,7 +356,7 @@ def test_a_device_the_radius_keeps_clipping_fades_and_an_honest_outlier_recovers
         once = np.full(4, -0.5 if round_no == 0 else 0.55, np.float32)  # clipped in the first round only
         rnd.add("once", {"w": once}, 1.0)
         rnd.result()
-        shares.append(rnd.discounted.get("attacker", 1.0))
+        shares.append(rnd.discounted.get("attacker", (1.0, ""))[0])
     assert shares == pytest.approx([1.0, 0.15, 0.05, 0.05])  # 0.15 x 0.15 is below MIN_STANDING
     assert "once" not in radius.standing  # 0.15, then x2 per update inside: 0.3, 0.6, 1
     again = NormBound()

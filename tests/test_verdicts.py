@@ -16,6 +16,7 @@ import pytest
 from bench.inmemory import InMemoryFederation
 from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.engine.loop import Engine
+from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.engine.transport import InMemoryTransport
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
@@ -82,6 +83,31 @@ def test_a_clipped_update_is_told_its_scale_in_the_one_receipt(tmp_path):
     (receipt,) = c.transport.got["d1"]  # streaming: decided at intake, one message
     assert receipt.accepted and receipt.verdict == "clipped" and receipt.scale == pytest.approx(0.5, rel=1e-3)
     assert "norm 3 -> 1.5" in receipt.detail
+
+
+def test_an_update_folded_below_its_full_weight_is_told_its_share_and_why(tmp_path):
+    """A device flagged in earlier rounds (the agreement stage) is folded at a share of its claimed
+    weight: its receipt, its row in device_rounds, the round record and Prometheus say which share
+    and why, while its delta is folded as sent (scale 1: it commits all of it)."""
+    c = _coordinator(tmp_path, aggregator="centered_clip")
+    c.consensus.flags["d1"] = [1, 1]  # two flags in its last rounds
+    share = c.consensus.of("d1")
+    rnd = c.open_round(1, 1, {"d1", "d2", "d3"}, time.time() + 60, 3)
+    rnd.move(RoundState.COLLECTING)
+    for k, device in enumerate(("d1", "d2", "d3")):
+        c.intake.on_update(rnd, device, _update(c, device, _direction(c, seed=k)), time.time())
+    rnd.move(RoundState.CLOSED)
+    record = c.conclude(rnd, "base")
+    told = c.transport.got["d1"][-1]
+    assert told.accepted and told.verdict in ("folded", "clipped") and told.detail.endswith(
+        f"weighed at {share:.2f} of its claim: its updates pointed away from their rounds before (agreement)")
+    assert c.verdicts.of(("d1", 1, 1)).weight == pytest.approx(share)
+    assert "weighed at" not in c.transport.got["d2"][-1].detail
+    assert record.devices["d1"]["weight_share"].startswith(f"{share:.2f} (its updates pointed away")
+    assert record.clipped["reduced_weight"] == 1
+    assert c.metrics.bounded.labels("reduced_weight")._value.get() == 1
+    detail = c.store.db.execute("SELECT verdict_detail FROM device_rounds WHERE round = 1 AND device = 'd1'")
+    assert "weighed at" in detail.fetchone()[0]
 
 
 def test_a_reversed_update_is_left_out_by_gated_mean_and_told_so_after_the_close(tmp_path):
@@ -287,6 +313,37 @@ def test_a_commit_with_no_later_receipt_stands(tmp_path):
     device, delta = _committed_update(tmp_path)
     device.settle_unsettled(messages.Task(5, 0, time.time() + 60, "feddyn"))
     np.testing.assert_allclose(device.state.data["feddyn"]["h"][0], delta["w"])
+
+
+def test_a_retried_attempt_does_not_send_the_rejected_attempts_delta_beside_its_own_retraining(tmp_path):
+    """Top-k: attempt 1 of round 4 is rejected, so its whole delta is owed (in the residual). Attempt 2
+    of round 4, from the same model, trains that delta again: the owed copy is dropped before it
+    trains, the residual is what it was before attempt 1, and nothing claims the attempt-1 update."""
+    device = _device(tmp_path / "state")
+    earlier = {"w": np.array([0.01, 0.0, -0.02], np.float32)}  # what top-k had not sent before round 4
+    delta = {"w": np.array([0.1, -0.2, 0.3], np.float32)}
+    encoded = codec.encode({"w": delta["w"] + earlier["w"]}, "topk0.34+float32")
+    sent = Sent(messages.Task(4, 7, time.time() + 60, "fedavg", codec="topk0.34+float32"), b"", "fedavg", _Dual({}), {},
+                delta, encoded, earlier, {})
+    assert device.settle(sent, messages.Receipt(4, 1, False, "late", "round 4 closed")) == "rejected"
+    codec_state = device.state.data["codec"]
+    np.testing.assert_allclose(codec_state["residual"]["w"], delta["w"] + earlier["w"])  # owed, today's rule
+    assert codec_state["owed"] == ["4.1"]
+    device.settle_unsettled(messages.Task(4, 7, time.time() + 60, "fedavg", attempt=2))
+    np.testing.assert_allclose(device.state.data["codec"]["residual"]["w"], earlier["w"])
+    assert "owed" not in device.state.data["codec"] and "retry" not in device.state.data["codec"]
+
+
+def test_an_owed_delta_stays_owed_into_the_next_round(tmp_path):
+    """The next round trains from a new model: the rejected update's delta is still owed there."""
+    device = _device(tmp_path / "state")
+    delta = {"w": np.array([0.1, -0.2, 0.3], np.float32)}
+    sent = Sent(messages.Task(4, 7, time.time() + 60, "fedavg", codec="topk0.34+float32"), b"", "fedavg", _Dual({}), {},
+                delta, codec.encode(delta, "topk0.34+float32"), None, {})
+    device.settle(sent, messages.Receipt(4, 1, False, "late", "round 4 closed"))
+    device.settle_unsettled(messages.Task(5, 8, time.time() + 60, "fedavg"))
+    np.testing.assert_allclose(device.state.data["codec"]["residual"]["w"], delta["w"])
+    assert device.state.data["codec"]["owed"] == ["4.1"]
 
 
 def test_status_shows_a_revoked_device_as_revoked_not_online(tmp_path):

@@ -16,6 +16,7 @@ as the coordinator would kick the running coordinator off.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import shlex
@@ -24,8 +25,9 @@ import ssl
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from broker_coordinator.access.broker import (
     BrokerError,
@@ -238,36 +240,59 @@ class DeviceRow:
     device: Device
     online: str  # "online" | "offline" | "revoked" | "-" (unknown)
     activity: Activity
+    # its last status profile: live from the broker, else as the coordinator last stored it; an
+    # agent whose owner's conditions keep it from training says `eligible` false and `why` there
+    profile: dict[str, Any] = field(default_factory=dict)
 
 
 def list_devices(config: CoordinatorConfig, probe: bool = True, wait: float = 1.0) -> tuple[list[DeviceRow], str]:
-    """Registry rows; online from the devices' retained status topics (asked live), last seen and
-    rounds contributed from the round store's tables."""
+    """Registry rows; online and the status profile from the devices' retained status topics (asked
+    live), last seen and rounds contributed from the round store's tables."""
     registry = open_registry(config)
     devices = registry.devices(config.federation.name)
-    live: dict[str, bool] = {}
+    live: dict[str, messages.Status] = {}
     note = ""
     if probe and devices:
         try:
-            live = probe_statuses(config, wait)
+            live = read_statuses(config, wait)
         except Exception as exc:  # noqa: BLE001 - the registry view is still useful without the broker
             hint = (f" (the password file has no {admin_user(config.broker.username)} user yet: run "
                     "'sudo broker-coordinator broker-config --reload')" if "refused" in str(exc) else "")
             note = f"broker not reachable ({exc}){hint}; online state from the last the coordinator saw"
     activity = registry.activity()
+    stored = stored_profiles(registry)
     rows = []
     for d in devices:
         seen = activity.get(d.name, Activity())
         if d.state == REVOKED:
             online = "revoked"
         elif probe and not note:
-            online = "online" if live.get(d.name) else "offline"
+            online = "online" if d.name in live and live[d.name].state == "online" else "offline"
         elif d.name in activity:
             online = "online" if seen.online else "offline"
         else:
             online = "-"
-        rows.append(DeviceRow(d, online, seen))
+        profile = dict(live[d.name].profile) if d.name in live else stored.get(d.name, {})
+        rows.append(DeviceRow(d, online, seen, profile))
     return rows, note
+
+
+def stored_profiles(registry: Registry) -> dict[str, dict[str, Any]]:
+    """Each device's last status profile as the coordinator stored it (the round store's `presence`
+    table, in the registry's database); empty until the coordinator has run."""
+    with registry.connect() as db:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'presence'").fetchone():
+            return {}
+        rows = db.execute("SELECT device, profile FROM presence WHERE profile IS NOT NULL").fetchall()
+    found = {}
+    for device, text in rows:
+        try:
+            profile = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(profile, dict):
+            found[device] = profile
+    return found
 
 
 def coordinator_client(config: CoordinatorConfig, suffix: str):  # noqa: ANN201 - a paho client
@@ -291,9 +316,14 @@ def admin_client(config: CoordinatorConfig):  # noqa: ANN201 - a paho client
 
 
 def probe_statuses(config: CoordinatorConfig, wait: float) -> dict[str, bool]:
+    """Online or not, per device, from the retained statuses (`read_statuses`)."""
+    return {device: status.state == "online" for device, status in read_statuses(config, wait).items()}
+
+
+def read_statuses(config: CoordinatorConfig, wait: float) -> dict[str, messages.Status]:
     """Connect as the admin user, read the retained status of every device, disconnect."""
     fed = config.federation.name
-    seen: dict[str, bool] = {}
+    seen: dict[str, messages.Status] = {}
     last = [time.monotonic()]
     client = admin_client(config)
 
@@ -303,7 +333,7 @@ def probe_statuses(config: CoordinatorConfig, wait: float) -> dict[str, bool]:
         if parsed is None or not msg.payload:
             return
         try:
-            seen[parsed[1]] = messages.decode_status(msg.payload).state == "online"
+            seen[parsed[1]] = messages.decode_status(msg.payload)
         except Rejected:
             pass
 

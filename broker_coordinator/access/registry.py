@@ -5,9 +5,12 @@ A device is `pending` from `devices add` (or `rotate`) until it enrolls, then
 the Mosquitto password hash (never a broker password), the device's signing
 key (needed to verify its updates), and the current enrollment token's id and
 expiry. It lives in the coordinator's database (`<state_dir>/coordinator.db`)
-beside the round store's tables (broker_coordinator/storage/store.py), whose `presence`
-and `device_rounds` tables give `devices list` its online, last-seen and
-rounds-contributed columns (`activity()`).
+beside the task index and the current task's round tables
+(broker_coordinator/storage/tasks.py, store.py), whose `presence` and
+`device_rounds` tables give `devices list` its online, last-seen and
+rounds-contributed columns (`activity()`: rounds of the current task). A new
+task archives its rounds and checkpoints and never touches this table: the
+devices stay enrolled from one task to the next.
 
 Admission: once any device is registered, the registry is authoritative, and
 an update from a device that is not `active` is rejected (`unknown_device`,

@@ -67,6 +67,7 @@ class Damped:
         self.staleness = Staleness()
         # the live records the verdicts read are the wrapped fold's own
         self.clipped, self.centered, self.gated = fold.clipped, fold.centered, fold.gated
+        self.discounted = fold.discounted
 
     @property
     def count(self) -> int:

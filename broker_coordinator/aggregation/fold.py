@@ -7,7 +7,7 @@ towards the centre, left out or held back, and how the step is paced. The round'
 lines, the Prometheus counters and the server rule read the report and nothing else of the fold.
 
 While the round is open, the verdicts a device's receipt carries (`engine/verdicts.py`) read the
-fold's live records (`clipped`, `centered`, `gated`) and ask whether it still holds an update
+fold's live records (`clipped`, `centered`, `gated`, `discounted`) and ask whether it still holds an update
 undecided (`undecided`).
 """
 
@@ -28,6 +28,8 @@ class FoldReport:
     clipped: dict[str, tuple[float, float]] = field(default_factory=dict)  # (norm, bound) of norm-clipped ones
     centered: dict[str, tuple[float, float]] = field(default_factory=dict)  # (distance, radius) from the centre
     gated: dict[str, float] = field(default_factory=dict)  # cosine with the round's median of those left out
+    # (share, why) of those folded below their full weight for what earlier rounds showed of them
+    discounted: dict[str, tuple[float, str]] = field(default_factory=dict)
     disagreeing: dict[str, float] = field(default_factory=dict)  # median cosine of those flagged
     held_back: dict[str, float] = field(default_factory=dict)  # the scale a flagged bank-mate's sum got
     judged_kin: bool = False  # the fold judged with the engine's own consensus (its kin flags are this round's)
@@ -47,6 +49,7 @@ class Fold(Protocol):
     clipped: dict[str, tuple[float, float]]
     centered: dict[str, tuple[float, float]]
     gated: dict[str, float]
+    discounted: dict[str, tuple[float, str]]
 
     @property
     def count(self) -> int: ...

@@ -104,6 +104,7 @@ class PrivateRound:
         self.unclipped = 0  # b_k summed: known to the coordinator only; released with noise
         self.clipped: dict[str, tuple[float, float]] = {}  # per device: never in the record (see records)
         self.gated: dict[str, float] = {}
+        self.discounted: dict[str, tuple[float, str]] = {}  # the private mean weighs every update alike
         # RobustRound's other records, empty here: the private fold pulls nothing towards a centre and
         # holds nothing, so each device's verdict (its own clip scale) is decided at `add`
         self.centered: dict[str, tuple[float, float]] = {}

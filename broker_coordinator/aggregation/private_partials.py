@@ -100,6 +100,7 @@ class PrivateTreeSum:
         self.clipped: dict[str, tuple[float, float]] = {}
         self.centered: dict[str, tuple[float, float]] = {}
         self.gated: dict[str, float] = {}
+        self.discounted: dict[str, tuple[float, str]] = {}
 
     @property
     def count(self) -> int:

@@ -77,6 +77,8 @@ from broker_coordinator.settings.choices import (
 from edgefl_protocol.sparse_delta import SparseDelta
 
 GEOMED_ITERATIONS = 8  # Weiszfeld steps: RFA reports 3-4 enough; the held round is small
+AWAY = "its updates pointed away from their rounds before (agreement)"
+OUTSIDE = "its updates lay outside the centre's radius before"
 OUTLIER_SHARE = 0.05  # centered_clip: the largest share of a round's weight the radius-clipped updates hold
 
 
@@ -141,7 +143,8 @@ class RobustRound:
         self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
         self.centered: dict[str, tuple[float, float]] = {}  # device -> (distance, radius) of every centre-clipped one
         self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
-        self.discounted: dict[str, float] = {}  # centered_clip: device -> the share of its weight its standing kept
+        # device -> (the share of its weight its standing kept, why): flags of earlier rounds
+        self.discounted: dict[str, tuple[float, str]] = {}
         self.count = 0
         self.votes = SignVotes(specs, sign_quorum) if sign_quorum > 0 and self.streaming else None
         self.unvoted: float | None = None  # the fraction of coordinates the votes held still, once closed
@@ -155,8 +158,8 @@ class RobustRound:
 
     def report(self) -> FoldReport:
         return FoldReport(self.count, dict(self.clipped), dict(self.centered), dict(self.gated),
-                          dict(self.disagreeing or {}), dict(self.held_back), judged_kin=self.consensus is not None,
-                          unvoted=self.unvoted)
+                          dict(self.discounted), dict(self.disagreeing or {}), dict(self.held_back),
+                          judged_kin=self.consensus is not None, unvoted=self.unvoted)
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
             norm: float | None = None) -> None:
@@ -188,13 +191,15 @@ class RobustRound:
             agreement = self.consensus.of(device)  # from earlier rounds, like the radius' standing
         if self.center is None:
             if agreement < 1:
-                self.discounted[device] = agreement
+                self.discounted[device] = (agreement, AWAY)
             self._inside(device, delta, weight * agreement, steps)
             return
         # from earlier rounds: the fold keeps its order
-        standing = max(self.radius.standing.get(device, 1.0) * agreement, MIN_STANDING)
+        radius = self.radius.standing.get(device, 1.0)
+        standing = max(radius * agreement, MIN_STANDING)
         if standing < 1:
-            self.discounted[device] = standing
+            self.discounted[device] = (standing, "; ".join(
+                why for why, low in ((AWAY, agreement < 1), (OUTSIDE, radius < 1)) if low))
         centered = self._center(device, delta)
         outside = self.centered.get(device)
         if self.tau is not None:

@@ -77,7 +77,7 @@ class TreeSum:
         self.weighting, self.weight_cap, self.norm_bound = weighting, weight_cap, norm_bound
         self.outlier_share = outlier_share
         self.standing = standing if standing is not None else {}  # site -> share of its weight it keeps (the tree's)
-        self.discounted: dict[str, float] = {}  # "site S" -> the standing its weight was multiplied by
+        self.discounted: dict[str, tuple[float, str]] = {}  # "site S" -> (the standing its weight kept, why)
         self.partials: list[tuple[str, int, float, float, dict[str, np.ndarray]]] = []  # site, count, W, steps, sums
         self.counted: Counter[str] = Counter()  # site -> devices counted so far this round
         self.clipped: dict[str, tuple[float, float]] = {}
@@ -123,7 +123,7 @@ class TreeSum:
 
     def report(self) -> FoldReport:
         return FoldReport(self.count, dict(self.clipped), dict(self.centered), dict(self.gated),
-                          unvoted=self.unvoted, bounded=Counter(self.bounded), reports=self.notes.reports,
+                          dict(self.discounted), unvoted=self.unvoted, bounded=Counter(self.bounded), reports=self.notes.reports,
                           bytes_down=self.notes.bytes_down)
 
     def result(self) -> dict[str, np.ndarray]:
@@ -147,7 +147,7 @@ class TreeSum:
             step = {name: a * (factor / w) for name, a in sums.items()}
             bounded = w if self.weighting == "reported" else min(w, n * self.weight_cap * per_device)
             if self.standing.get(site, 1.0) < 1:  # clipped in earlier rounds (see trust.NormBound.stand)
-                self.discounted[f"site {site}"] = self.standing[site]
+                self.discounted[f"site {site}"] = (self.standing[site], "its partials were clipped before")
                 bounded *= self.standing[site]
             if bounded < w:
                 self.weighed[f"site {site}"] = (w, bounded)

@@ -40,6 +40,13 @@ def build_parser(simulate: bool = True) -> argparse.ArgumentParser:
     stat = sub.add_parser("status", help="show the federation at a glance: last round, devices, accuracy")
     stat.add_argument("--config", default=None, help=f"coordinator TOML config ({default_config})")
     stat.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    wake = sub.add_parser("resume", help="wake a federation that rests because its model stopped improving",
+                          description="A federation rests when the served model has not improved for [pacing] "
+                                      "patience evaluations ('status' says so). This asks the running coordinator "
+                                      "to open rounds again; it also resumes by itself when its devices report "
+                                      "[pacing] new_data more samples.")
+    wake.add_argument("--config", default=None, help=f"coordinator TOML config ({default_config})")
+    wake.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     back = sub.add_parser("rollback", help="make an earlier round's kept checkpoint the live model",
                           description="Stop the coordinator first. The kept checkpoint of ROUND (the last "
                                       "[storage] keep_checkpoints rounds are kept) becomes the live one under a new "
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         echo = lambda line: print(line, flush=True)  # noqa: E731
         if args.command == "rollback":
             return service.rollback(config, args.to, echo)
+        if args.command == "resume":
+            return service.resume(config, echo)
         return service.run(config, echo) if args.command == "run" else service.status(config, echo)
     except errors as exc:
         print(f"broker-coordinator: error: {exc}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Operator subcommands of `broker-coordinator`: devices add|list|revoke|rotate, broker-config,
-serve-enrollment. Each reads the coordinator config (`--config`, default /etc/edgefl/coordinator.toml,
+serve-enrollment, tasks, backup, restore. Each reads the coordinator config (`--config`, default /etc/edgefl/coordinator.toml,
 or $EDGEFL_COORDINATOR_CONFIG)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from broker_coordinator.settings.config import DEFAULT_PATH, ENV_PREFIX, load_config
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
-OPERATOR_COMMANDS = ("devices", "broker-config", "serve-enrollment")
+OPERATOR_COMMANDS = ("devices", "broker-config", "serve-enrollment", "tasks", "backup", "restore")
 
 
 def build_operator_parser() -> argparse.ArgumentParser:
@@ -82,6 +82,36 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _common(serve)
     serve.set_defaults(run=run_serve_enrollment)
 
+    tasks = sub.add_parser("tasks", help="list the federation's tasks: the current one and the archived ones",
+                           description="A task is one training run: a model trained from a fresh start. Changing "
+                                       "[federation] model, task, loss or test_data, or [algorithm] algorithm, "
+                                       "starts a new task at the next 'run' for the same devices; the old one is "
+                                       "archived with its rounds and checkpoints (docs/OPERATOR.md, 'Changing the "
+                                       "model').")
+    _common(tasks)
+    tasks.set_defaults(run=run_tasks)
+
+    save = sub.add_parser("backup", help="copy the state, the broker's files and the config to DIR, while it runs",
+                          description="Copy what a new machine needs to go on with the federation and its devices "
+                                      "into DIR (new or empty): the device registry and every task's rounds (SQLite's "
+                                      "online backup), the checkpoints, the broker's password, ACL and TLS files, "
+                                      "and the config with the coordinator's secret; then DIR/manifest.json with "
+                                      "each file's size and sha256. Safe while the coordinator runs.")
+    save.add_argument("dir", type=Path, metavar="DIR", help="where the backup goes (a new or empty directory)")
+    _common(save)
+    save.set_defaults(run=run_backup)
+
+    back = sub.add_parser("restore", help="put a backup back in place (with the coordinator stopped)",
+                          description="Check every file of the backup in DIR against its manifest, then write the "
+                                      "state directory, the broker's files and, when --config names no file yet, "
+                                      "the backed-up config. Refused while a coordinator uses the state directory, "
+                                      "and onto a state directory that is not empty unless --force.")
+    back.add_argument("dir", type=Path, metavar="DIR", help="a directory 'broker-coordinator backup' wrote")
+    back.add_argument("--force", action="store_true", help="empty a state directory that is not empty first")
+    back.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
+    _common(back)
+    back.set_defaults(run=run_restore)
+
 
 def config_path(given: str | Path | None) -> Path:
     """--config, else $EDGEFL_COORDINATOR_CONFIG, else /etc/edgefl/coordinator.toml: one rule for every
@@ -130,9 +160,19 @@ def run_list(args: argparse.Namespace) -> int:
         print(f"no devices in federation {config.federation.name}: add one with 'broker-coordinator devices add NAME'")
         return 0
     print(format_rows(rows))
+    waiting = not_eligible(rows)
+    if waiting:
+        print("not eligible to train now, by their owners' [conditions] (edge-agent status on the device says more):")
+        print("\n".join(f"  {name}: {why}" for name, why in waiting))
     if note:
         print(f"note: {note}")
     return 0
+
+
+def not_eligible(rows) -> list[tuple[str, str]]:  # noqa: ANN001 - DeviceRows
+    """(device, why) for the online devices whose status says they may not train now."""
+    from broker_coordinator.engine.presence import ineligible_because
+    return [(r.device.name, why) for r in rows if r.online == "online" and (why := ineligible_because(r.profile))]
 
 
 def run_broker_config(args: argparse.Namespace) -> int:
@@ -155,6 +195,21 @@ def run_broker_config(args: argparse.Namespace) -> int:
     if args.reload:
         print(reload_broker(b))
     return 0
+
+
+def run_tasks(args: argparse.Namespace) -> int:
+    from broker_coordinator.cli import state_cli
+    return state_cli.tasks(_config(args))
+
+
+def run_backup(args: argparse.Namespace) -> int:
+    from broker_coordinator.cli import state_cli
+    return state_cli.back_up(_config(args), args.dir)
+
+
+def run_restore(args: argparse.Namespace) -> int:
+    from broker_coordinator.cli import state_cli
+    return state_cli.restore_from(args.dir, config_path(args.config), args.force, args.reload)
 
 
 def run_serve_enrollment(args: argparse.Namespace) -> int:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from typing import Callable
 
+from broker_coordinator.cli.task_start import begin_task, connect_task, skip_attempts_the_devices_ran
 from broker_coordinator.engine.loop import Engine, record_dict
+from broker_coordinator.engine.pacing import Pacer, read_pace, request_resume
+from broker_coordinator.engine.presence import ineligible_because
 from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.engine.transport import MqttTransport
@@ -27,6 +31,9 @@ DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex H
 
 
 def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    if not os.environ.get("JOURNAL_STREAM"):  # journald stamps time itself; elsewhere, as the log lines do
+        said = echo
+        echo = lambda line: said(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")  # noqa: E731
     fed, b = config.federation, config.broker
     objective = Objective.of(fed.task, fed.loss)
     test_set = load_npz(fed.test_data, fed.task) if fed.test_data else None
@@ -35,6 +42,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
         metrics.serve(config.metrics.port, config.metrics.bind)
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
+    task = begin_task(config)  # a changed task definition archives the task and starts a new one
     root_set = load_npz(fed.root_data, fed.task) if fed.root_data else None
     sites = None
     if config.sites:  # a federation in sites: the coordinator tasks sites and combines their partials
@@ -49,13 +57,23 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    coordinator.connect(b.host, b.port, b.username, b.password, keepalive=b.keepalive)
+    connect_task(coordinator, task, b)  # a new task's versions go on past the previous task's
     desk = attach_enrollment(config, coordinator)
+    skip_attempts_the_devices_ran(coordinator)  # after a restore: rounds the devices ran that this state lost
     echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
          f"starting at round {coordinator.next_round}")
+    pacer = Pacer(config.pacing, config.storage.state_dir, objective.higher_is_better)
+    p = config.pacing
+    log.info("pacing: a round at most every %s, %s ([pacing]; interval = 0 and patience = 0 run rounds back to "
+             "back)", p.interval if p.interval_seconds else "0 s (back to back)",
+             f"rest after {p.patience} evaluations without an improvement of {p.min_improvement:g}" if p.patience
+             else "never rest")
     failed = True  # until the loop ends by itself or by a signal
     try:
         while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
+            pacer.wait(coordinator)  # the interval since the last round, or a federation at rest
+            if coordinator.stopping.is_set():
+                break
             try:
                 record = coordinator.run_round()
             except BudgetSpent as exc:  # [privacy] target_epsilon: no further round opens
@@ -67,6 +85,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
                 log.error("%s; waiting before the next attempt", exc)
                 coordinator.stopping.wait(config.rounds.round_timeout)
                 continue
+            pacer.observe(record, coordinator.presence_samples())
             if tracker:
                 tracker.round(record)
             echo(format_round(record_dict(record), fed.rounds))
@@ -135,6 +154,19 @@ def _revoked(config: CoordinatorConfig) -> set[str]:
     return {d.name for d in Registry(config.registry_path).devices() if d.state == REVOKED}
 
 
+def resume(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
+    """Wake a resting federation (the running coordinator reads the request within a second)."""
+    pace = read_pace(config.storage.state_dir)
+    if pace is None or pace.state != "resting":
+        echo(f"federation {config.federation.name!r} is not resting"
+             + (f" ({pace.state}: {pace.wakes})" if pace and pace.wakes else "") + "; nothing to resume")
+        return 0
+    request_resume(config.storage.state_dir)
+    echo(f"asked federation {config.federation.name!r} to resume (resting since "
+         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(pace.since))}: {pace.why})")
+    return 0
+
+
 def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     store = Store(config.storage.state_dir)
     try:
@@ -153,6 +185,10 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
         last = rounds[-1] if rounds else ckpt.record
         echo(f"last round {ckpt.round} (model version {ckpt.version}, sha256 {ckpt.sha256[:12]}): "
              f"{describe_scores(last)}, {last['participants']}/{last['selected']} participants")
+    pace = read_pace(config.storage.state_dir)
+    if pace is not None and pace.state != "running":  # why the federation is idle, and what wakes it
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pace.since))
+        echo(f"{pace.state} since {since}: {pace.why}; {pace.wakes}")
     private = (ckpt.trust.get("privacy") if ckpt else None) or {}
     if private:
         target, after = private.get("target_epsilon"), private.get("next_epsilon")
@@ -172,7 +208,9 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
         unjudged = f", other accepted answers {d['unjudged']}" if d["unjudged"] else ""
         epsilon = _device_epsilon(d.get("profile"))
         state = "revoked" if d["device"] in revoked else "online " if d["online"] else "offline"
+        why = ineligible_because(d.get("profile")) if d["online"] and d["device"] not in revoked else None
         echo(f"  {d['device']:<24} {state}  last seen {seen}  "
              f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}"
-             + (f", its own DP-SGD epsilon {epsilon:.4g}" if epsilon is not None else ""))
+             + (f", its own DP-SGD epsilon {epsilon:.4g}" if epsilon is not None else "")
+             + (f"; may not train now: {why}" if why else ""))
     return 0

@@ -160,6 +160,13 @@ class BufferedVersions:
                 self.answered_by.pop(key, None)
         self.retire_releases(engine)
 
+    def leave(self, current: Round, unit: str) -> None:
+        """`unit` will not answer (revoked): its task is void, its slot free for another device."""
+        key = self.working.pop(unit, None)
+        if key is not None:
+            self.tickets.pop(key, None)
+        current.cohort.discard(unit)
+
     def retire_releases(self, engine: Engine) -> None:
         """Older versions stay retained while a task out trains from them (and within S versions)."""
         needed = {self.tickets[key].version for key in self.working.values()}

@@ -44,6 +44,8 @@ class Devices:
         _, device, kind = parsed
         if kind == "status":
             self.presence.on_status(device, payload)
+            if not payload and current is not None:  # a cleared status: revoked, or its key rotated
+                self._leaves(engine, current, device)
         elif kind == "update" and retained:
             if payload:  # a device left a retained message on its update topic: it would replay on every
                 # reconnect of ours, so it is never an answer; clear it
@@ -51,6 +53,15 @@ class Devices:
                 engine.transport.publish(topic, b"", retain=True)
         elif kind == "update" and payload:  # an empty payload is our own clearing of a retained one
             engine.intake.on_update(current, device, payload, arrived)
+
+    def _leaves(self, engine: Engine, current: Round, device: str) -> None:
+        """A device the registry no longer admits leaves the open round at once: the round does not
+        wait for an answer it would reject."""
+        refused = self.presence.admission(device) if self.presence.admission else None
+        if refused is None or device not in current.cohort or device in current.answered:
+            return
+        engine.schedule.leave(current, device)
+        log.info("round %d: %s left the round: %s: %s", current.number, device, *refused)
 
     # sync rounds ---------------------------------------------------------------------------
     def open(self, engine: Engine, round_no: int, attempt: int, deadline: float) -> tuple[Round, int]:
@@ -67,7 +78,9 @@ class Devices:
         return engine.update_fold(round_no), StreamingMean(engine.extra_specs) if engine.extra_specs else None
 
     def too_few(self, offered: int, quorum: int) -> str:
-        return f"only {offered} device(s) online and idle, quorum is {quorum}"
+        resting = len(self.presence.not_eligible())  # online, but their owners' conditions say not now
+        return (f"only {offered} device(s) online and idle, quorum is {quorum}"
+                + (f"; {resting} more online may not train now (`status` says why)" if resting else ""))
 
     def task_deadline(self, deadline: float, round_timeout: float) -> float:
         return deadline

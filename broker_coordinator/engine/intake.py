@@ -45,6 +45,8 @@ from models.objectives import Objective
 log = logging.getLogger("broker_coordinator")
 # an accepted update, judged: (delta, weight, steps, the weight's note, its norm if the hard bound took it)
 Judged = tuple[dict, float, int, str, float | None]
+# rejections that follow from timing (a restart, a slow link, a buffered task overtaken): logged at INFO
+ROUTINE = frozenset({"stale", "late", "too_stale"})
 
 
 def _clock(ts: float) -> str:
@@ -117,7 +119,9 @@ class UpdateIntake:
         self.metrics.rejected.labels(reason).inc()
         if current is not None:
             current.rejected[reason] += 1
-        log.warning("update from %s rejected: %s: %s", device, reason, detail)
+        # routine after a restart or a slow link (the device is told, nobody must act): INFO
+        log.log(logging.INFO if reason in ROUTINE else logging.WARNING, "update from %s rejected: %s: %s",
+                device, reason, detail)
 
     def on_update(self, current: Round | None, device: str, data: bytes, arrived: float) -> None:
         try:
@@ -168,7 +172,7 @@ class UpdateIntake:
             return
         if isinstance(answer, messages.Refusal):
             current.refused[device] = f"{answer.reason}: {answer.detail}"
-            log.warning("%s refused round %d (attempt %d): %s: %s", device, answer.round, answer.attempt,
+            log.info("%s refused round %d (attempt %d): %s: %s", device, answer.round, answer.attempt,
                         answer.reason, answer.detail)
             if self.store:
                 self.store.record_device_round(answer.round, answer.attempt, device, False,
@@ -265,7 +269,7 @@ class UpdateIntake:
         trusted = self.terms.sample_weights.weigh(device, update.num_samples)
         if trusted.note:
             self.metrics.bounded.labels("weight").inc()
-            log.info("update from %s: %s", device, trusted.note)  # routine for a large shard; counted
+            log.debug("update from %s: %s", device, trusted.note)  # routine for a large shard; counted
         try:
             weight = float(self.terms.server_rule.weight(trusted.weight, update.metrics))
         except (ValueError, TypeError, KeyError) as exc:

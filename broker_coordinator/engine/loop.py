@@ -197,7 +197,7 @@ class Engine:
             self.broadcast = delta_downlink.Broadcast(self.release_tensors(), self.version,
                                                       self.settings.downlink_codec, self.settings.downlink_chain)
         self.served.weights = ckpt.served if ckpt.served is not None else dict(self.served_from())
-        log.warning("resumed from the checkpoint of round %d (model version %d, sha256 %s)",
+        log.info("resumed from the checkpoint of round %d (model version %d, sha256 %s)",
                     ckpt.round, ckpt.version, ckpt.sha256[:12])
 
     # transport ----------------------------------------------------------------------
@@ -239,7 +239,18 @@ class Engine:
             return
         self.topology.handle(self, topic, payload, arrived, retained, current)
 
+    def idle(self, seconds: float) -> None:
+        """Read the inbox for `seconds` (presence, late answers and their receipts) without a round open."""
+        until = time.monotonic() + seconds
+        while not self.stopping.is_set() and (left := until - time.monotonic()) > 0:
+            self.drain(min(left, 0.5))
+
     # presence -----------------------------------------------------------------------
+    def presence_samples(self) -> int:
+        """Training samples the online devices hold, as their presence reports them."""
+        return sum(v for p in self.presence.online.values()
+                   if isinstance(v := p.get("samples", 0), int) and not isinstance(v, bool) and v > 0)
+
     def settle_presence(self, quiet: float = 0.5, limit: float = 5.0) -> None:
         """After (re)connecting, read the retained statuses until they stop arriving, so the first
         cohort is chosen from every device that is online, not from the first few to be heard."""
@@ -277,7 +288,7 @@ class Engine:
 
     def set_state(self, rnd: Round, state: RoundState, reason: str = "") -> None:
         rnd.move(state, reason)
-        log.info("round %d (attempt %d): %s%s", rnd.number, rnd.attempt, state.value, f" ({reason})" if reason else "")
+        log.debug("round %d (attempt %d): %s%s", rnd.number, rnd.attempt, state.value, f" ({reason})" if reason else "")
         if self.on_state:
             self.on_state(rnd)
 

@@ -4,7 +4,10 @@ Presence is learnt from the devices' retained statuses (online with their
 hardware profile and whether they are busy; offline by their will). A device
 tasked for a round is not selected again until its status says it is idle and
 done with that round, or the round's deadline has passed. Only devices the
-registry admits are ever selected, since anyone enrolled could leave a status.
+registry admits are ever selected, since anyone enrolled could leave a status. A device whose
+owner's conditions keep it from training now (hours, load, temperature, CPU-seconds a day:
+edge_agent/conditions.py) says `eligible: false` and `why` in its status and is not selected;
+a status without the key (an agent of the previous release) is eligible.
 
 In a federation in sites the centre's units are sites: `SitePresence` reads the
 status each site's leader publishes (its online and eligible device counts).
@@ -12,6 +15,7 @@ status each site's leader publishes (its online and eligible device counts).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -76,11 +80,17 @@ class DevicePresence:
             self.store.flush_presence(older_than=0.0 if quiet else PRESENCE_FLUSH)
 
     def eligible(self) -> list[str]:
-        """Online devices that are not busy with an earlier task and that the registry admits."""
+        """Online devices that may train now by their own conditions, are not busy with an earlier
+        task, and that the registry admits."""
         now = time.time()
         self.pending_until = {d: t for d, t in self.pending_until.items() if t > now}
         return [d for d, profile in self.online.items()
-                if not profile.get("busy") and d not in self.pending_until and self._is_admitted(d)]
+                if not profile.get("busy") and ineligible_because(profile) is None
+                and d not in self.pending_until and self._is_admitted(d)]
+
+    def not_eligible(self) -> dict[str, str]:
+        """Online devices whose own conditions keep them from training now, with why."""
+        return {d: why for d, profile in self.online.items() if (why := ineligible_because(profile))}
 
     def eligible_devices(self) -> int:
         return len(self.eligible())
@@ -129,6 +139,20 @@ class SitePresence:
 
     def population(self) -> int:
         return sum(count_of(p, "online") for p in self.online.values())
+
+
+def ineligible_because(profile: Mapping[str, Any] | str | None) -> str | None:
+    """Why a device's status profile (or the JSON text of one the store keeps) says it may not train
+    now (`eligible` false, and its `why`), or None."""
+    if isinstance(profile, str):
+        try:
+            profile = json.loads(profile)
+        except ValueError:
+            return None
+    if not isinstance(profile, Mapping) or profile.get("eligible") is not False:
+        return None
+    why = profile.get("why")
+    return why if isinstance(why, str) and why else "its own conditions (it gave no reason)"
 
 
 def count_of(profile: Mapping[str, Any], key: str) -> int:

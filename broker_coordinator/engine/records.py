@@ -41,12 +41,13 @@ class RoundRecords:
                 central: Evaluation | None = None) -> RoundRecord:
         report = rnd.aggregate.report()
         clipped = {"norm": len(report.clipped)} if report.clipped else {}
-        # bounding an honest update is routine (the round line counts it): INFO, not a warning
+        # bounding or down-weighting an update is routine (the record and the device's verdict say it):
+        # only an update left out reaches the log at WARNING
         for device, (norm, bound) in report.clipped.items():
-            log.info("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
+            log.debug("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
             self.metrics.bounded.labels("norm").inc()
         for device, (distance, radius) in report.centered.items():
-            log.info("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
+            log.debug("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
                      rnd.number, device, distance, radius)
             self.metrics.bounded.labels("center").inc()
             rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
@@ -55,7 +56,7 @@ class RoundRecords:
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         for device, cosine in report.disagreeing.items():
-            log.warning("round %d: update from %s points away from its round (median cosine %.3f with the "
+            log.info("round %d: update from %s points away from its round (median cosine %.3f with the "
                         "others): its weight from its next update on is %.2f of its claim", rnd.number, device,
                         cosine, self.consensus.of(device))
             self.metrics.bounded.labels("disagreed").inc()
@@ -64,7 +65,7 @@ class RoundRecords:
             clipped["disagreed"] = len(report.disagreeing)
         kin = self.consensus.kin if report.judged_kin else {}
         for device, (closest, cosine) in kin.items():
-            log.warning("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): its "
+            log.info("round %d: updates from %s depart from their rounds like %s's (path cosine %.3f): its "
                         "weight from its next update on is %.2f of its claim", rnd.number, device, closest,
                         cosine, self.consensus.of(device))
             self.metrics.bounded.labels("kin").inc()
@@ -72,12 +73,17 @@ class RoundRecords:
         if kin:
             clipped["kin"] = len(kin)
         for device, scale in report.held_back.items():
-            log.warning("round %d: update from %s folded at %.2f of its weight: its partial sum holds an update "
+            log.info("round %d: update from %s folded at %.2f of its weight: its partial sum holds an update "
                         "this round flagged (verdict_banks)", rnd.number, device, scale)
             self.metrics.bounded.labels("held_back").inc()
             rnd.device_metrics.setdefault(device, {})["held_back"] = f"{scale:.2f}"
         if report.held_back:
             clipped["held_back"] = len(report.held_back)
+        for device, (share, why) in report.discounted.items():  # below full weight for earlier rounds' flags
+            self.metrics.bounded.labels("reduced_weight").inc()
+            rnd.device_metrics.setdefault(device, {})["weight_share"] = f"{share:.2f} ({why})"
+        if report.discounted:
+            clipped["reduced_weight"] = len(report.discounted)
         for device, cosine in report.gated.items():
             log.warning("round %d: update from %s left out: it points away from the round's median "
                         "(cosine %.2f)", rnd.number, device, cosine)
@@ -91,7 +97,7 @@ class RoundRecords:
         unvoted = report.unvoted
         if unvoted is not None:
             self.metrics.unvoted.set(unvoted)
-            log.info("round %d: the sign votes held %.1f%% of the parameters still", rnd.number, 100 * unvoted)
+            log.debug("round %d: the sign votes held %.1f%% of the parameters still", rnd.number, 100 * unvoted)
         score = central.score if central else float("nan")
         accuracy = score if self.objective.task == "classification" else float("nan")
         # the devices' score describes one model: the newest version the round's reports measured

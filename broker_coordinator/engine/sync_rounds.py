@@ -102,8 +102,8 @@ class SyncRounds:
             if rnd.state == RoundState.CLOSED:
                 break
             engine.metrics.rounds.labels("abandoned").inc()
-            log.warning("round %d attempt %d abandoned: %s; the global model is unchanged",
-                        round_no, attempt, rnd.reason)
+            log.log(logging.INFO if engine.stopping.is_set() else logging.WARNING,
+                    "round %d attempt %d abandoned: %s; the global model is unchanged", round_no, attempt, rnd.reason)
             engine.intake.abandoned(rnd)
             if store:
                 store.record_round(record_row(engine.record(rnd, base_sha, base_sha, "abandoned")))
@@ -170,6 +170,10 @@ class SyncRounds:
             raise Rejected("stale", f"partial folds updates to version {partial.model_version}, the round "
                                     f"distributed version {current.base_version}")
         return None
+
+    def leave(self, current: Round, unit: str) -> None:
+        """`unit` will not answer (revoked): the round no longer waits for it."""
+        current.cohort.discard(unit)
 
     def retire_releases(self, engine: Engine) -> None:
         """Sync rounds clear the previous release when they publish the next."""

@@ -213,14 +213,14 @@ class Sites:
         if staleness is None:
             current.aggregate.add(partial, sums)
             self.book(engine, current, site, sender, partial)
-            log.info("round %d: partial from worker %d of site %s: %d updates", current.number, partial.worker,
+            log.debug("round %d: partial from worker %d of site %s: %d updates", current.number, partial.worker,
                      site, partial.count)
             return
         factor = staleness_factor(engine.settings.staleness_weight, staleness)
         current.aggregate.add_partial(partial, sums, factor, staleness)  # type: ignore[attr-defined]
         self.book(engine, current, site, sender, partial)
         current.device_metrics[sender].update(staleness=staleness, staleness_factor=round(factor, 4))
-        log.info("version %d: partial from worker %d of site %s: %d updates trained on version %d (staleness %d)",
+        log.debug("version %d: partial from worker %d of site %s: %d updates trained on version %d (staleness %d)",
                  current.number, partial.worker, site, partial.count, partial.model_version, staleness)
 
     def book(self, engine: Engine, current: Round, site: str, sender: str, partial: Partial) -> None:

@@ -50,6 +50,7 @@ class Verdict:
     kind: str
     scale: float = 1.0
     detail: str = ""
+    weight: float = 1.0  # the share of its claimed weight the fold gave it (standing from earlier rounds)
 
     @property
     def counted(self) -> bool:
@@ -73,6 +74,8 @@ def judge(aggregate: Any, device: str, ratio: float | None) -> Verdict:
     """The verdict on `device`'s update once the fold has decided it (see the module's docstring)."""
     if device in aggregate.gated:
         return Verdict(LEFT_OUT, 0.0, f"direction: cosine {aggregate.gated[device]:.2f} with the round's median")
+    share, why = aggregate.discounted.get(device, (1.0, ""))
+    weighed = f"weighed at {share:.2f} of its claim: {why}" if share < 1 else ""
     scale, parts = 1.0, []
     if device in aggregate.clipped:
         norm, bound = aggregate.clipped[device]
@@ -84,8 +87,9 @@ def judge(aggregate: Any, device: str, ratio: float | None) -> Verdict:
         scale = min(1.0, max(0.0, k * scale + (1 - k) * (ratio or 0.0)))
         parts.append(f"distance from the centre {distance:.4g} -> {radius:.4g}")
     if not parts:
-        return Verdict(FOLDED)
-    return Verdict(CLIPPED, scale, f"{'; '.join(parts)}; effective scale {scale:.4g}")
+        return Verdict(FOLDED, 1.0, weighed, share)
+    detail = f"{'; '.join(parts)}; effective scale {scale:.4g}" + (f"; {weighed}" if weighed else "")
+    return Verdict(CLIPPED, scale, detail, share)
 
 
 class Verdicts:
@@ -169,7 +173,7 @@ class _Fresh:
     device left (buffered mode: two tasks in one buffer) is not this update's."""
 
     def __init__(self, aggregate: Any, device: str, mark: tuple[Any, Any]) -> None:
-        self.gated = aggregate.gated
+        self.gated, self.discounted = aggregate.gated, aggregate.discounted
         self.clipped = {device: v} if (v := aggregate.clipped.get(device)) is not None and v is not mark[0] else {}
         self.centered = ({device: v} if (v := aggregate.centered.get(device)) is not None and v is not mark[1]
                          else {})

@@ -72,8 +72,12 @@
     [privacy]                            # user-level differential privacy (settings/privacy_settings.py)
     mode = "off"                         # off | central
 
+    [pacing]                             # when rounds open, and when the fleet rests (pacing_settings.py)
+    interval = "10m"                     # from one round's start to the next; 0 = back to back
+    patience = 10                        # evaluations without improvement before the federation rests; 0 = never
+
     [storage]
-    state_dir = "/var/lib/edgefl-coordinator"   # coordinator.db holds the device registry and the rounds
+    state_dir = "/var/lib/edgefl-coordinator"   # the device registry, the tasks and their checkpoints (OPERATOR.md)
     keep_checkpoints = 10                # the last N rounds' models, for `broker-coordinator rollback`
 
     [enrollment]
@@ -105,6 +109,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_coordinator.settings import composition
+from broker_coordinator.settings.pacing_settings import PacingSettings
 from broker_coordinator.settings.site_settings import SiteSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
 from edgefl_protocol import topics
@@ -221,6 +226,7 @@ class CoordinatorConfig:
     path: Path
     sites: dict[str, SiteSettings] = field(default_factory=dict)  # empty: a flat federation
     tracking: TrackingSettings = field(default_factory=TrackingSettings)  # off unless a key is set
+    pacing: PacingSettings = field(default_factory=PacingSettings)
 
     @property
     def registry_path(self) -> Path:
@@ -230,7 +236,7 @@ class CoordinatorConfig:
 # the round sections are round_sections.ROUND_SECTIONS and [privacy] (not imported here: they import torch);
 # [rounds] is the round keys' old place (round_config.py)
 SECTIONS = ("federation", "broker", "schedule", "algorithm", "fold", "server_optimizer", "transfer", "evaluation",
-            "privacy", "storage", "enrollment", "metrics", "sites", "tracking", "rounds")
+            "privacy", "pacing", "storage", "enrollment", "metrics", "sites", "tracking", "rounds")
 
 
 def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
@@ -277,4 +283,4 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
     return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
                              section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
                              section(MetricsSettings, "metrics"), path, sites,
-                             tracking=section(TrackingSettings, "tracking"))
+                             tracking=section(TrackingSettings, "tracking"), pacing=section(PacingSettings, "pacing"))

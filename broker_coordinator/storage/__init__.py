@@ -1,3 +1,4 @@
-"""What survives a restart: checkpoints and the rounds database (`store`), the state directory's
-lock (`statelock`). May import `settings`.
+"""What survives a restart: the current task's checkpoints and rounds (`store`), the tasks before it
+(`tasks`), backups of all of it (`backup`, `restore`), the state directory's lock (`statelock`).
+May import `settings`.
 """

@@ -12,6 +12,9 @@ History is append-only: every attempt of every round is its own row (attempt
 numbers continue across restarts), and a rollback adds a `rollback` row
 instead of deleting what came after. The last `keep` checkpoints are kept in
 `checkpoints/`, so `broker-coordinator rollback --to ROUND` can go back.
+
+A store is one task's (`tasks`): in a coordinator's state directory it is the current task, and
+each row names its task; an archived task's directory (`tasks/<id>/`) is a store of its own.
 """
 
 from __future__ import annotations
@@ -45,14 +48,23 @@ CREATE TABLE IF NOT EXISTS attempts (
     round INTEGER NOT NULL, attempt INTEGER NOT NULL, started_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS presence (
     device TEXT PRIMARY KEY, online INTEGER NOT NULL, last_seen REAL NOT NULL, profile TEXT);
+CREATE TABLE IF NOT EXISTS attempt_floor (round INTEGER PRIMARY KEY, attempt INTEGER NOT NULL);
 """
+# attempt_floor: attempts of a round number that this store's rows do not hold (an earlier task's, or
+# rounds the devices ran that a restored backup never saw: `tasks`, cli/task_start.py), so that its
+# attempts go past them: a device remembers the (round, attempt) pairs it ran lately and would take a
+# repeated pair for a task delivered twice
+RAISE_FLOOR = ("INSERT INTO attempt_floor VALUES (?, ?) ON CONFLICT(round) DO UPDATE SET "
+               "attempt = MAX(attempt, excluded.attempt)")
 CHECKPOINT = "checkpoint.msgpack"
 HISTORY_DIR = "checkpoints"
 ROUND_COLUMNS = ("round", "attempt", "closed", "selected", "participants", "accuracy", "loss", "bytes_up",
                  "seconds", "rejected", "base_sha256", "model_sha256", "finished_at", "reason",
-                 "metric", "score", "federated", "clipped", "left_out")
-# since the task's metric is named; since the fold's verdicts are recorded (clipped: {how: n}, left_out: fraction)
-ADDED_COLUMNS = {"metric": "TEXT", "score": "REAL", "federated": "TEXT", "clipped": "TEXT", "left_out": "REAL"}
+                 "metric", "score", "federated", "clipped", "left_out", "task")
+# since the task's metric is named; since the fold's verdicts are recorded (clipped: {how: n}, left_out: fraction);
+# since tasks (the id of the task the round belongs to; NULL outside a coordinator's state directory)
+ADDED_COLUMNS = {"metric": "TEXT", "score": "REAL", "federated": "TEXT", "clipped": "TEXT", "left_out": "REAL",
+                 "task": "INTEGER"}
 # device_rounds: the fold's verdict on an accepted update (folded | clipped | left_out | pending) and its detail
 DEVICE_COLUMNS = ("round", "attempt", "device", "accepted", "reason", "metrics", "at", "verdict", "verdict_detail")
 ADDED_DEVICE_COLUMNS = {"verdict": "TEXT", "verdict_detail": "TEXT"}
@@ -93,7 +105,10 @@ class Store:
         self.dir = Path(state_dir)
         self.keep = keep
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.dir / "coordinator.db", check_same_thread=False, isolation_level=None)
+        path = self.dir / "coordinator.db"
+        if not path.exists():  # the device registry shares it: its signing keys are nobody else's to read
+            path.touch(mode=0o600)
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
@@ -104,6 +119,7 @@ class Store:
         # device -> its latest presence row, buffered: one transaction per drain tick, not one per status
         self._presence: dict[str, tuple] = {}
         self._presence_since = 0.0  # monotonic time of the oldest buffered status
+        self.task = current_task(self.db)  # the id its rows carry (None: no task index here)
 
     def _migrate(self) -> None:
         """Databases written before history became append-only keyed rounds on (round, attempt)
@@ -139,7 +155,7 @@ class Store:
     def load_checkpoint(self) -> Checkpoint | None:
         """The live checkpoint, read only: safe beside a running coordinator (`status`, a test, a drill)."""
         path = self.dir / CHECKPOINT
-        return _read_checkpoint(path) if path.exists() else None
+        return read_checkpoint(path) if path.exists() else None
 
     def recover_checkpoint(self) -> Checkpoint | None:
         """The live checkpoint, with its round's row written if a crash came between checkpoint and
@@ -167,7 +183,7 @@ class Store:
             kept = self.kept_rounds()
             raise StoreError(f"no checkpoint of round {to_round} is kept in {path.parent}; kept rounds: "
                              f"{', '.join(map(str, kept)) or 'none'} (raise [storage] keep_checkpoints to keep more)")
-        target = _read_checkpoint(path)
+        target = read_checkpoint(path)
         current = self.recover_checkpoint()
         newest = max([target.version] + ([current.version] if current else []))
         if current is not None and "privacy" in current.trust:  # a rollback never refunds epsilon
@@ -176,11 +192,11 @@ class Store:
         atomic_write(self.dir / CHECKPOINT, _pack_checkpoint(target))
         with self.db:
             self.db.execute("BEGIN")
-            self.db.execute("INSERT INTO rounds (round, attempt, closed, model_sha256, finished_at, reason) "
-                            "VALUES (?, 0, 'rollback', ?, ?, ?)",
+            self.db.execute("INSERT INTO rounds (round, attempt, closed, model_sha256, finished_at, reason, task) "
+                            "VALUES (?, 0, 'rollback', ?, ?, ?, ?)",
                             (to_round, target.sha256, time.time(),
                              f"rolled back from round {current.round if current else '?'}; model version "
-                             f"{target.version}"))
+                             f"{target.version}", self.task))
         return target
 
     def start_attempt(self, round_no: int, attempt: int) -> None:
@@ -190,8 +206,17 @@ class Store:
 
     def last_attempt(self, round_no: int) -> int:
         row = self.db.execute("SELECT MAX(a) FROM (SELECT MAX(attempt) AS a FROM rounds WHERE round = ? UNION ALL "
-                              "SELECT MAX(attempt) FROM attempts WHERE round = ?)", (round_no, round_no)).fetchone()
+                              "SELECT MAX(attempt) FROM attempts WHERE round = ? UNION ALL "
+                              "SELECT attempt FROM attempt_floor WHERE round = ?)",
+                              (round_no, round_no, round_no)).fetchone()
         return int(row[0] or 0)
+
+    def floor_attempts(self, rounds: dict[int, int]) -> None:
+        """Attempts of each round (round -> attempt) that happened outside this store's knowledge (an
+        earlier task's, or rounds a restored backup never saw): its next attempt goes past them."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(RAISE_FLOOR, sorted(rounds.items()))
 
     # rounds and devices -----------------------------------------------------------
     def record_round(self, r: dict[str, Any]) -> None:
@@ -212,7 +237,7 @@ class Store:
              r["bytes_up"], r["seconds"], json.dumps(r["rejected"]), r.get("base_sha256"), r.get("model_sha256"),
              time.time(), r.get("reason", ""), r.get("metric"), r.get("score"),
              json.dumps(r["federated"]) if r.get("federated") else None,
-             json.dumps(r["clipped"]) if r.get("clipped") else None, r.get("left_out")))
+             json.dumps(r["clipped"]) if r.get("clipped") else None, r.get("left_out"), self.task))
 
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
                             metrics: dict[str, Any] | None, verdict: str | None = None,
@@ -279,6 +304,14 @@ class Store:
         self.db.close()
 
 
+def current_task(db: sqlite3.Connection) -> int | None:
+    """The current task's id from the task index (`tasks`), None where there is none."""
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tasks'").fetchone():
+        return None
+    row = db.execute("SELECT id FROM tasks WHERE ended_at IS NULL ORDER BY id DESC LIMIT 1").fetchone()
+    return int(row[0]) if row else None
+
+
 def _pack_checkpoint(ckpt: Checkpoint) -> bytes:
     return pack({"round": ckpt.round, "version": ckpt.version, "arch": ckpt.arch, "weights": ckpt.weights,
                  "sha256": ckpt.sha256, "server_state": ckpt.server_state, "record": ckpt.record,
@@ -286,7 +319,7 @@ def _pack_checkpoint(ckpt: Checkpoint) -> bytes:
                  "server_optimizer": ckpt.server_optimizer})
 
 
-def _read_checkpoint(path: Path) -> Checkpoint:
+def read_checkpoint(path: Path) -> Checkpoint:
     raw = unpack(path.read_bytes())
     ckpt = Checkpoint(raw["round"], raw["version"], raw["arch"], raw["weights"], raw["sha256"],
                       raw.get("server_state") or {}, raw.get("record") or {}, raw.get("served"),
