@@ -110,6 +110,44 @@ def test_an_update_folded_below_its_full_weight_is_told_its_share_and_why(tmp_pa
     assert "weighed at" in detail.fetchone()[0]
 
 
+def test_a_coordinator_killed_before_its_round_was_saved_takes_its_verdicts_back(tmp_path):
+    """Two devices are told "folded" as their updates arrive; the coordinator dies before the round is
+    saved. The next run resumes from the last saved round and tells both that their updates are in
+    no model (left_out), so they undo what they committed before they train the round again."""
+    c = _coordinator(tmp_path, aggregator="mean")
+    for _ in range(5):
+        c.norm_bound.record(1.0)  # a warm history: verdicts are given on arrival, not held for a cold start
+    rnd = c.open_round(1, 1, {"d1", "d2", "d3"}, time.time() + 60, 3)
+    rnd.move(RoundState.COLLECTING)
+    for device in ("d1", "d2"):
+        c.intake.on_update(rnd, device, _update(c, device, _direction(c)), time.time())
+    assert [r.verdict for r in c.transport.got["d1"]] == ["folded"]
+    # killed here: no checkpoint, no round record; the next run opens the same state
+    again = _coordinator(tmp_path, aggregator="mean")
+    assert again.next_round == 1
+    again.take_back_unsaved()
+    for device in ("d1", "d2"):
+        (told,) = again.transport.got[device]
+        assert (told.round, told.attempt, told.accepted, told.verdict, told.scale) == (1, 1, True, "left_out", 0.0)
+        assert "restarted before round 1 was saved" in told.detail
+    third = _coordinator(tmp_path, aggregator="mean")  # taken back once: a later restart says nothing again
+    third.take_back_unsaved()
+    assert third.transport.got == {}
+
+
+def test_a_saved_rounds_verdicts_are_never_taken_back(tmp_path):
+    c = _coordinator(tmp_path, aggregator="mean")
+    rnd = c.open_round(1, 1, {"d1"}, time.time() + 60, 1)
+    rnd.move(RoundState.COLLECTING)
+    c.intake.on_update(rnd, "d1", _update(c, "d1", _direction(c)), time.time())
+    rnd.move(RoundState.CLOSED)
+    c.conclude(rnd, "base")
+    again = _coordinator(tmp_path, aggregator="mean")
+    assert again.next_round == 2
+    again.take_back_unsaved()
+    assert again.transport.got == {}
+
+
 def test_a_reversed_update_is_left_out_by_gated_mean_and_told_so_after_the_close(tmp_path):
     c = _coordinator(tmp_path, aggregator="gated_mean", norm_bound=0)
     d = _direction(c)

@@ -31,12 +31,13 @@ from broker_coordinator.aggregation.robust import l2_norm
 from broker_coordinator.aggregation.trust import SampleWeights
 from broker_coordinator.engine.presence import DevicePresence
 from broker_coordinator.engine.rounds import Round
-from broker_coordinator.engine.verdicts import NOT_FOLDED, REPLAY_ROUNDS, Verdict, Verdicts
+from broker_coordinator.engine.verdicts import LEFT_OUT, NOT_FOLDED, REPLAY_ROUNDS, Verdict, Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import limits
 from broker_coordinator.settings.choices import STREAMING
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.storage.store import Store
+from broker_coordinator.storage.verdict_journal import VerdictJournal
 from edgefl_protocol import codec, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.sparse_delta import sparse_only
@@ -96,13 +97,14 @@ class UpdateIntake:
     def __init__(self, fed: str, terms: Terms, keys: Mapping[str, bytes], presence: DevicePresence,
                  freshness: Freshness, verdicts: Verdicts, metrics: Metrics, store: Store | None,
                  send: Callable[[str, bytes], None], released_sha: Mapping[int, str],
-                 closed_at: dict[int, float]) -> None:
+                 closed_at: dict[int, float], journal: VerdictJournal | None = None) -> None:
         self.fed, self.terms, self.presence, self.freshness = fed, terms, presence, freshness
         self.keys: dict[str, bytes] = dict(keys)  # device -> HMAC key (from enrollment)
         self.verdicts, self.metrics, self.store = verdicts, metrics, store
         self.send = send  # (topic, payload): how receipts go out
         self.released_sha = released_sha  # version -> sha256 of its release (empty at a site)
         self.closed_at = closed_at  # round -> when it closed (shared with the schedule's freshness)
+        self.journal = journal  # every verdict, written before its receipt: taken back if its round is never saved
         self.rejections: Counter[str] = Counter()
         # (device, round, attempt) -> sha256 of the accepted payload: replay guard, and resends are recognised
         self.accepted: dict[tuple[str, int, int], str] = {}
@@ -222,6 +224,12 @@ class UpdateIntake:
         for key, verdict in self.verdicts.abandon(rnd.number, rnd.attempt, rnd.reason):
             self._final_receipt(key, verdict)
 
+    def take_back(self, key: tuple[str, int, int], why: str) -> None:
+        """A verdict given for a round that was never saved: the update is in no model, and told so."""
+        verdict = Verdict(LEFT_OUT, 0.0, why)
+        self.verdicts.decided[key] = verdict
+        self._final_receipt(key, verdict)
+
     def _final_receipt(self, key: tuple[str, int, int], verdict: Verdict) -> None:
         if self.store:
             self.store.settle_verdict(key[1], key[2], key[0], verdict.kind, verdict.detail)
@@ -254,6 +262,8 @@ class UpdateIntake:
             receipt = messages.Receipt(*answer, False, rejected.reason, rejected.detail[:1000], verdict.kind, 0.0)
         else:
             receipt = messages.Receipt(*answer, True, "", verdict.detail[:1000], verdict.kind, verdict.scale)
+            if self.journal is not None and verdict.kind:
+                self.journal.given(answer[0], answer[1], device, verdict.kind)
         self.send(topics.receipt(self.fed, device), messages.encode("receipt", receipt))
 
     def _remembers(self, round_no: int) -> bool:

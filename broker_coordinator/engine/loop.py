@@ -63,6 +63,7 @@ from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.round_settings import RoundRecord, RoundSettings
 from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
+from broker_coordinator.storage.verdict_journal import VerdictJournal
 from edgefl_protocol import algorithms, codec, delta_downlink, messages, topics
 from models.architectures import build_model, fingerprint, get_weights, set_weights
 from models.datasets import Dataset
@@ -118,7 +119,6 @@ class Engine:
         self.attempts: dict[int, int] = {}  # round -> last attempt number used (continues across restarts)
         self.stopping = threading.Event()
         self.presence_settled = False
-        self._said_unscored = False  # warned that devices asked to evaluate reported no score (once a process)
         self._resumed = False  # the state came from a checkpoint
 
         # the fold's state across rounds
@@ -144,10 +144,11 @@ class Engine:
                                       keep_older=self.schedule.keeps_older_releases)
         terms = Terms(settings, objective, self.server_rule, self.algorithm.name, self.specs, self.extra_specs,
                       self.sample_weights)
+        self.journal = VerdictJournal(store.dir) if store else None
         self.intake = UpdateIntake(self.fed, terms, keys, DevicePresence(store, self.metrics),
                                    self.schedule.freshness, self.verdicts, self.metrics, store,
                                    lambda topic, payload: self.transport.publish(topic, payload),
-                                   self.releases.sha, closed_at)
+                                   self.releases.sha, closed_at, self.journal)
         self.topology: Devices | Sites = (Sites(sites, terms.max_update_bytes) if sites is not None
                                           else Devices(self.intake.presence))
         self.presence = self.topology.presence
@@ -212,6 +213,22 @@ class Engine:
         self.transport = transport
         transport.start(timeout)
         self.version = self.releases.skip_released_versions(transport.session, self.version, self._resumed)
+        self.take_back_unsaved()
+
+    def take_back_unsaved(self) -> None:
+        """Verdicts the last run gave for a round it never saved (killed between the receipts and the
+        checkpoint): each device is told its update is in no model, and undoes what it committed."""
+        if self.journal is None:
+            return
+        unsaved = self.journal.unsaved(self.next_round)
+        for round_no, attempt, device in unsaved:
+            self.intake.take_back((device, round_no, attempt), f"the coordinator restarted before round "
+                                                               f"{round_no} was saved: this update is in no model")
+        self.journal.saved()
+        if unsaved:
+            log.info("took back %d verdict(s) of round(s) %s, which the last run gave and never saved; the "
+                     "devices undo what they committed", len(unsaved),
+                     ", ".join(str(r) for r in sorted({key[0] for key in unsaved})))
 
     def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
         # Presence is re-learnt from the retained statuses the subscription delivers.
@@ -223,6 +240,8 @@ class Engine:
     def close(self) -> None:
         if isinstance(self.transport, MqttTransport):
             self.transport.stop()
+        if self.journal is not None:
+            self.journal.close()
         if self.store:
             self.store.close()
 
@@ -373,31 +392,12 @@ class Engine:
         if self.store:
             self.store.save_checkpoint(self.checkpoint(record))
             self.store.record_round(record_row(record))
+        if self.journal is not None:
+            self.journal.saved()  # the round's verdicts are in the database now
         self.set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1
-        self._report(record, central)
+        self.records.published(record, central, self.evaluate_devices)
         return record
-
-    def _report(self, record: RoundRecord, central: Evaluation | None) -> None:
-        """Prometheus, and the one warning a federation that measures nothing deserves."""
-        self.metrics.rounds.labels(record.closed).inc()
-        self.metrics.round_seconds.observe(record.seconds)
-        if self.privacy:
-            self.metrics.privacy_epsilon.set(self.privacy.spent)
-        if central is not None:
-            self.metrics.score.labels(central.metric, "central").set(central.score)
-            self.metrics.loss.set(central.loss)
-            if self.objective.task == "classification":
-                self.metrics.accuracy.set(central.score)
-        if record.federated:
-            self.metrics.score.labels(record.federated["metric"], "devices").set(record.federated["score"])
-        elif central is None and self.evaluate_devices and record.participants and not self._said_unscored:
-            self._said_unscored = True  # every such round would say the same
-            log.warning("round %d: the devices were asked to evaluate and none reported a score, so no "
-                        "accuracy is measured; an agent evaluates on the data it holds out ([data] holdout = 0.2 "
-                        "in its agent.toml: the [device] data shorthand that `edge-agent enroll` writes holds out "
-                        "none), or give this coordinator a test set ([federation] test_data)", record.round)
-        self.metrics.round.set(record.round)
 
     # what a round leaves behind -------------------------------------------------------
     def record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,

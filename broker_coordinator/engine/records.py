@@ -36,9 +36,31 @@ class RoundRecords:
                  privacy: PrivateRounds | None) -> None:
         self.metrics, self.verdicts, self.consensus = metrics, verdicts, consensus
         self.objective, self.privacy = objective, privacy
+        self._said_unscored = False  # warned that devices asked to evaluate reported no score (once a process)
+
+    def published(self, record: RoundRecord, central: Evaluation | None, devices_evaluate: bool) -> None:
+        """Prometheus, and the one warning a federation that measures nothing deserves."""
+        self.metrics.rounds.labels(record.closed).inc()
+        self.metrics.round_seconds.observe(record.seconds)
+        if self.privacy:
+            self.metrics.privacy_epsilon.set(self.privacy.spent)
+        if central is not None:
+            self.metrics.score.labels(central.metric, "central").set(central.score)
+            self.metrics.loss.set(central.loss)
+            if self.objective.task == "classification":
+                self.metrics.accuracy.set(central.score)
+        if record.federated:
+            self.metrics.score.labels(record.federated["metric"], "devices").set(record.federated["score"])
+        elif central is None and devices_evaluate and record.participants and not self._said_unscored:
+            self._said_unscored = True  # every such round would say the same
+            log.warning("round %d: the devices were asked to evaluate and none reported a score, so no "
+                        "accuracy is measured; an agent evaluates on the data it holds out ([data] holdout = 0.2 "
+                        "in its agent.toml: the [device] data shorthand that `edge-agent enroll` writes holds out "
+                        "none), or give this coordinator a test set ([federation] test_data)", record.round)
+        self.metrics.round.set(record.round)
 
     def record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
-                central: Evaluation | None = None) -> RoundRecord:
+               central: Evaluation | None = None) -> RoundRecord:
         report = rnd.aggregate.report()
         clipped = {"norm": len(report.clipped)} if report.clipped else {}
         # bounding or down-weighting an update is routine (the record and the device's verdict say it):
