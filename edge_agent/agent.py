@@ -83,6 +83,7 @@ class Agent:
         self.stopping = threading.Event()
         self.handled: list[tuple[int, int]] = []  # recent (round, attempt) tasks: a task delivered twice runs once
         self.busy = False
+        self._data_said = ""  # the local data as last logged
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
@@ -276,7 +277,10 @@ class Agent:
         if len(data.train) == 0 and task.train:
             raise Rejected("data_unusable", f"no training samples yet ({source.describe()})")
         self.profile["samples"] = len(data.train)
-        log.info("round %d: local data: %s", task.round, source.describe())  # describe() has the counts
+        described = source.describe()  # with the counts: said at INFO when they change, not every round
+        log.log(logging.INFO if described != self._data_said else logging.DEBUG, "round %d: local data: %s",
+                task.round, described)
+        self._data_said = described
         return data
 
     def _evaluate(self, task: messages.Task, model: torch.nn.Module, data: LocalData,

@@ -135,6 +135,30 @@ def test_duplicate_and_unselected_updates_are_rejected(tmp_path):
     assert sum(c.intake.rejections.values()) == 3 and rnd.aggregate.count == 1
 
 
+def test_an_update_queued_before_a_key_rotation_is_told_so_at_info_and_a_forgery_is_a_warning(tmp_path, caplog):
+    """After `devices rotate` and the device's re-enrollment the coordinator holds its new key; an update
+    the device queued before, signed with the old key, is rejected as `old_key` (routine: INFO). One
+    signed with a key the device never had is still a `signature` warning."""
+    c, rnd = _coordinator_and_round(tmp_path)
+    zero = {k: np.zeros_like(v) for k, v in c.weights.items()}
+    queued = _signed("d1", {"steps": 1}, zero)  # signed with KEY, the key before the rotation
+    c.intake.rekey({**c.intake.keys, "d1": b"the-rotated-key-0123456789abcdef"})
+    with caplog.at_level("INFO", logger="broker_coordinator"):
+        c.intake.on_update(rnd, "d1", queued, time.time())
+    (line,) = [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert line.levelname == "INFO" and "d1's key from before it was rotated" in line.getMessage()
+    assert c.intake.rejections["old_key"] == 1
+    caplog.clear()
+    c.intake.rekey({**c.intake.keys, "d2": b"another-new-key-0123456789abcdef"})
+    forged = _signed("d2", {"steps": 1}, zero)
+    c.intake.keys["d2"] = b"yet-another-key-0123456789abcdef"  # d2's key never was KEY after the first rekey
+    c.intake.previous_keys["d2"] = b"an-older-key-000123456789abcdefg"
+    with caplog.at_level("INFO", logger="broker_coordinator"):
+        c.intake.on_update(rnd, "d2", forged, time.time())
+    (line,) = [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert line.levelname == "WARNING" and c.intake.rejections["signature"] == 1
+
+
 def _update(c, device="d1", *, federation="u", model_version=0, codec_name="float32", scale=0.0):
     """A signed update with every field right unless a keyword says otherwise."""
     import msgpack

@@ -111,7 +111,7 @@ def attach_enrollment(config: CoordinatorConfig, coordinator: Engine):  # noqa: 
     by_hand = dict(coordinator.intake.keys)  # keys provisioned by hand in device_keys.toml, if any
 
     def refresh_keys() -> None:  # signed updates: the enrolled devices' keys (over any by hand), swapped in whole
-        coordinator.intake.keys = {**by_hand, **registry.signing_keys(config.federation.name)}
+        coordinator.intake.rekey({**by_hand, **registry.signing_keys(config.federation.name)})
         for name, spec in coordinator.topology.sites.items():  # a site's partial counts at most its devices
             spec.devices = sum(config.sites[name].holds(d.name) for d in registry.devices(config.federation.name)
                                if d.state != "revoked")

@@ -46,8 +46,9 @@ from models.objectives import Objective
 log = logging.getLogger("broker_coordinator")
 # an accepted update, judged: (delta, weight, steps, the weight's note, its norm if the hard bound took it)
 Judged = tuple[dict, float, int, str, float | None]
-# rejections that follow from timing (a restart, a slow link, a buffered task overtaken): logged at INFO
-ROUTINE = frozenset({"stale", "late", "too_stale"})
+# rejections that follow from timing (a restart, a slow link, a buffered task overtaken, an update queued
+# before a key rotation): logged at INFO, the device told why
+ROUTINE = frozenset({"stale", "late", "too_stale", "old_key"})
 
 
 def _clock(ts: float) -> str:
@@ -100,6 +101,7 @@ class UpdateIntake:
                  closed_at: dict[int, float], journal: VerdictJournal | None = None) -> None:
         self.fed, self.terms, self.presence, self.freshness = fed, terms, presence, freshness
         self.keys: dict[str, bytes] = dict(keys)  # device -> HMAC key (from enrollment)
+        self.previous_keys: dict[str, bytes] = {}  # device -> its key before a rotation (`rekey`)
         self.verdicts, self.metrics, self.store = verdicts, metrics, store
         self.send = send  # (topic, payload): how receipts go out
         self.released_sha = released_sha  # version -> sha256 of its release (empty at a site)
@@ -293,12 +295,36 @@ class UpdateIntake:
         refused = self.presence.admission(device) if self.presence.admission else None
         if refused:
             raise Rejected(*refused)
-        answer = messages.decode_answer(data, self.terms.max_update_bytes, self.keys.get(device), device)
+        try:
+            answer = messages.decode_answer(data, self.terms.max_update_bytes, self.keys.get(device), device)
+        except Rejected as exc:
+            if exc.reason == "signature" and self._signed_before_rotation(device, data):
+                raise Rejected("old_key", f"signed with {device}'s key from before it was rotated: an update it "
+                                          "queued before; its next ones carry the new key") from None
+            raise
         if answer.device != device:
             raise Rejected("sender", f"topic says {device} but the update claims {answer.device}")
         if answer.federation != self.fed:
             raise Rejected("federation", f"update is for federation {answer.federation!r}, this is {self.fed!r}")
         return answer
+
+    def rekey(self, keys: Mapping[str, bytes]) -> None:
+        """New signing keys (an enrollment, a rotation). A device's previous key is kept, to tell an
+        update it queued before its rotation from a forgery."""
+        for device, key in self.keys.items():
+            if keys.get(device) != key:
+                self.previous_keys[device] = key
+        self.keys = dict(keys)
+
+    def _signed_before_rotation(self, device: str, data: bytes) -> bool:
+        old = self.previous_keys.get(device)
+        if old is None:
+            return False
+        try:
+            messages.decode_answer(data, self.terms.max_update_bytes, old, device)
+        except Rejected:
+            return False
+        return True
 
     def _judge(self, current: Round | None, device: str, answer: messages.Answer, data: bytes,
                arrived: float) -> Judged | messages.Refusal | messages.EvalReport | None:
