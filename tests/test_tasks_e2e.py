@@ -254,3 +254,36 @@ def test_a_state_directory_of_the_previous_release_keeps_its_devices_and_resumes
     listing = federation.cli("tasks")
     assert [line.split()[:3] for line in listing.stdout.splitlines()[1:] if line[:1].isdigit()] == \
         [["1", "current", "2"]], listing.stdout
+
+
+def test_a_device_revoked_while_a_round_waits_for_it_leaves_the_round_at_once(federation, tmp_path):
+    """pi-03's agent hangs (SIGSTOP) after round 1; round 2 would wait two minutes for it. `devices
+    revoke pi-03` while round 2 collects: the coordinator sees its status cleared, asks the registry,
+    and closes the round with the other two devices' updates instead of waiting for the deadline."""
+    federation.run(rounds=1)
+    hung = federation.agents[DEVICES.index("pi-03")]
+    hung.send_signal(signal.SIGSTOP)
+    env = dict(os.environ, EDGEFL_COORDINATOR_FEDERATION_ROUNDS="2", EDGEFL_COORDINATOR_SCHEDULE_MIN_UPDATES="2",
+               EDGEFL_COORDINATOR_SCHEDULE_ROUND_TIMEOUT="120", PYTHONPATH=str(PROJECT_ROOT))
+    log = tmp_path / "coordinator.log"
+    with open(log, "wb") as out:
+        service = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", "--config",
+                                    str(federation.config)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   cwd=PROJECT_ROOT)
+    try:
+        give_up = time.monotonic() + 60
+        while Store(federation.state).last_attempt(2) < 1:  # round 2 is open and waits for pi-03
+            assert time.monotonic() < give_up and service.poll() is None, log.read_text()
+            time.sleep(0.2)
+        revoked = federation.cli("devices", "revoke", "pi-03")
+        assert revoked.returncode == 0, revoked.stderr
+        assert service.wait(timeout=60) == 0, log.read_text()  # long before round 2's 120 s deadline
+    finally:
+        if service.poll() is None:
+            service.kill()
+            service.wait()
+        hung.send_signal(signal.SIGCONT)
+    text = log.read_text()
+    assert "pi-03 left the round: revoked" in text, text
+    (_, second) = trained_rounds(federation.state)
+    assert (second["round"], second["closed"], second["participants"]) == (2, "complete", 2), second
