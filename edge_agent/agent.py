@@ -28,6 +28,10 @@ The owner's conditions (`conditions`: hours, load, temperature, CPU-seconds a da
 the device may train now; its status says so (`eligible`, `why`), checked again while idle and
 republished only when the answer changes, and a task that arrives while it may not train is
 refused with the reason. A training that has started is finished.
+
+Once per model version, before training changes the model, the agent offers the verified release to
+the device's serving store through the local gate (`serving_gate`); a store that cannot be written
+is logged and counted, and never stops training.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from .device_step import Budget, agent_seed, device_step, local_settings
 from .hardware import calibrate, default_threads, probe
 from .model_fetch import MAX_MODEL_VALUES, ModelFetch
 from .runtime import record_session
+from .serving_gate import ServingGate
 from .settlement import Settlement
 from .state import DeviceState
 from .training import Stopped
@@ -83,7 +88,6 @@ class Agent:
         self.stopping = threading.Event()
         self.handled: list[tuple[int, int]] = []  # recent (round, attempt) tasks: a task delivered twice runs once
         self.busy = False
-        self._data_said = ""  # the local data as last logged
         self.released: dict = {}  # extra.* tensors of the current model release
         self.state = DeviceState(config.device.state_dir)
         self.state.data["identity"] = {"device": self.device, "federation": self.fed}
@@ -105,6 +109,9 @@ class Agent:
         self.delivery = Delivery(self.session.publish_until, topics.update(self.fed, self.device), self.stopping,
                                  superseded=lambda: not self.tasks.empty())
         self.settlement = Settlement(self.state, self.delivery, self.fetch.give_back_down_counts)
+        self.serving = ServingGate(config.serving) if config.serving.dir else None  # [serving] dir = "": off
+        if self.serving and (current := self.serving.store.current_version()) is not None:
+            self.profile["serving_current"] = current
 
     def _status(self, state: str) -> bytes:
         profile = {**self.profile, "busy": self.busy, "last_round": int(self.state.data.get("last_round", 0))}
@@ -235,6 +242,7 @@ class Agent:
             self._refuse(task, refusal)
             return
         self.fetch.remember_model(release, body)
+        self._serve(task, release, model, data, objective)
         try:
             evaluation = self._evaluate(task, model, data, objective)
             if not task.train:
@@ -246,6 +254,29 @@ class Agent:
             self._refuse(task, exc)
         except Exception:  # a bug or a hostile task must not take the device's service down
             log.exception("round %d: task failed; waiting for the next one", task.round)
+
+    def _serve(self, task: messages.Task, release: messages.ModelRelease, model: torch.nn.Module,
+               data: LocalData, objective: Objective) -> None:
+        """Offer a new version to the serving store (once per version, before training changes `model`)."""
+        if self.serving is None or not self.serving.wants(release.version):
+            return
+        try:
+            decision = self.serving.offer(release, task.round, model, data.held_out, objective)
+        except Exception as exc:  # the store is for the device's applications: never stop training for it
+            self.serving.errors += 1
+            self.profile["serving_errors"] = self.serving.errors
+            log.warning("round %d: cannot publish model version %d to the serving store %s: %s; check that the "
+                        "directory exists, is writable by the agent and has space ([serving] dir, \"\" = off); "
+                        "applications keep the current version", task.round, release.version,
+                        self.serving.store.root, exc)
+            return
+        finally:
+            model.train()
+        log.info("round %d: serving: %s", task.round, decision.text())
+        current = self.serving.store.current_version()
+        if current is not None:
+            self.profile["serving_current"] = current
+        self.profile["serving_decision"] = decision.text()[:200]
 
     def _installed_model(self, release: messages.ModelRelease) -> torch.nn.Module:
         """The release's model as installed here; refused (Rejected) when this machine cannot build it
@@ -277,10 +308,7 @@ class Agent:
         if len(data.train) == 0 and task.train:
             raise Rejected("data_unusable", f"no training samples yet ({source.describe()})")
         self.profile["samples"] = len(data.train)
-        described = source.describe()  # with the counts: said at INFO when they change, not every round
-        log.log(logging.INFO if described != self._data_said else logging.DEBUG, "round %d: local data: %s",
-                task.round, described)
-        self._data_said = described
+        log.info("round %d: local data: %s", task.round, source.describe())  # describe() has the counts
         return data
 
     def _evaluate(self, task: messages.Task, model: torch.nn.Module, data: LocalData,

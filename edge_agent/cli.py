@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "the coordinator sends, until SIGTERM or Ctrl-C.")
     run.add_argument("--config", required=True, help="agent TOML config (every section and key: docs/CONFIGURATION.md)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from .model_cli import add_model_commands
     from .operator_cli import add_operator_commands
     add_operator_commands(sub)
+    add_model_commands(sub)
     args = parser.parse_args(argv)
     if args.command != "run":
         return args.handler(args)

@@ -34,6 +34,13 @@
     max_temperature = 70        # degrees Celsius, the hottest /sys/class/thermal zone; 0 = no limit
     daily_cpu_seconds = 3600    # CPU-seconds of training per local day, kept across restarts; 0 = no cap
 
+    [serving]                   # optional: the models the device's own applications use (edge_agent/serving_store.py)
+    dir = "/var/lib/edgefl-serving"   # default <state_dir>/serving; "" = no serving store
+    keep = 3                    # versions kept
+    group = "edgefl-model"      # local group that may read the store (when it exists)
+    gate = true                 # keep the current version when a new one is worse on the held-out data
+    gate_margin = 0.02          # ... by more than this (metric units: 0.02 = 2 accuracy points)
+
 A spool is a directory the device's own application writes small `.npz` (x, y)
 or `.csv` batches into, each under a unique name by atomic rename (write
 `name.tmp` or `.name`, then rename; those are ignored). Each round the agent
@@ -179,6 +186,24 @@ class ConditionsSettings:
             raise ValueError(f"max_temperature is in degrees Celsius (e.g. 70), got {self.max_temperature:g}")
 
 
+SERVING_DEFAULT_DIR = "<state_dir>/serving"
+
+
+@dataclass
+class ServingSettings:
+    dir: str = SERVING_DEFAULT_DIR  # the serving store: one directory per version and a `current` link; "" = off
+    keep: int = 3  # the newest N versions kept (the current one always)
+    group: str = ""  # local group whose members (the device's applications) may read the store, when it exists
+    gate: bool = True  # before publishing a version, score it on the held-out data and keep the current one when worse
+    gate_margin: float = 0.02  # gate: how much worse (in the metric's units; 0.02 = 2 accuracy points) is refused
+
+    def validate(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"keep must be at least 1 version, got {self.keep}")
+        if self.gate_margin < 0:
+            raise ValueError(f"gate_margin must be 0 or positive, got {self.gate_margin}")
+
+
 @dataclass
 class AgentConfig:
     broker: BrokerSettings
@@ -186,6 +211,7 @@ class AgentConfig:
     path: Path
     data: DataSettings  # from [data], or from the legacy [device] data
     conditions: ConditionsSettings = field(default_factory=ConditionsSettings)  # the owner's [conditions]
+    serving: ServingSettings = field(default_factory=ServingSettings)  # the device's [serving] store
 
 
 def _data_settings(raw: dict, device: DeviceSettings, path: Path) -> DataSettings:
@@ -211,11 +237,14 @@ def load_config(path: Path | str) -> AgentConfig:
     path = Path(path)
     raw = read_toml(path)
     for section in raw:
-        if section not in ("broker", "device", "data", "conditions"):
-            raise ConfigError(f"{path}: unknown section [{section}]; expected [broker], [device], [data] "
-                              "and [conditions]")
+        if section not in ("broker", "device", "data", "conditions", "serving"):
+            raise ConfigError(f"{path}: unknown section [{section}]; expected [broker], [device], [data], "
+                              "[conditions] and [serving]")
     broker = build_section(BrokerSettings, raw.get("broker", {}), f"{path} [broker]", f"{ENV_PREFIX}_BROKER")
     device = build_section(DeviceSettings, raw.get("device", {}), f"{path} [device]", f"{ENV_PREFIX}_DEVICE")
     conditions = build_section(ConditionsSettings, raw.get("conditions", {}), f"{path} [conditions]",
                                f"{ENV_PREFIX}_CONDITIONS")
-    return AgentConfig(broker, device, path, _data_settings(raw, device, path), conditions)
+    serving = build_section(ServingSettings, raw.get("serving", {}), f"{path} [serving]", f"{ENV_PREFIX}_SERVING")
+    if serving.dir == SERVING_DEFAULT_DIR:
+        serving.dir = str(Path(device.state_dir) / "serving")
+    return AgentConfig(broker, device, path, _data_settings(raw, device, path), conditions, serving)

@@ -8,6 +8,7 @@ crash a file is either the old version or the new one, never a torn mix.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -44,6 +45,15 @@ def atomic_write(path: Path | str, data: bytes | str, mode: int = 0o600,
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def file_sha256(path: Path | str) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _pack_default(obj: Any) -> Any:

@@ -1,5 +1,5 @@
 """Operator subcommands of `broker-coordinator`: devices add|list|revoke|rotate, broker-config,
-serve-enrollment, tasks, backup, restore. Each reads the coordinator config (`--config`, default /etc/edgefl/coordinator.toml,
+serve-enrollment, tasks, backup, restore, model list|export. Each reads the coordinator config (`--config`, default /etc/edgefl/coordinator.toml,
 or $EDGEFL_COORDINATOR_CONFIG)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from broker_coordinator.settings.config import DEFAULT_PATH, ENV_PREFIX, load_config
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
-OPERATOR_COMMANDS = ("devices", "broker-config", "serve-enrollment", "tasks", "backup", "restore")
+OPERATOR_COMMANDS = ("devices", "broker-config", "serve-enrollment", "tasks", "backup", "restore", "model")
 
 
 def build_operator_parser() -> argparse.ArgumentParser:
@@ -111,6 +111,32 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     back.add_argument("--reload", action="store_true", help="reload mosquitto afterwards")
     _common(back)
     back.set_defaults(run=run_restore)
+
+    model = sub.add_parser("model", help="list the model versions the state directory holds, and export one",
+                           description="The current task's model versions (the live checkpoint and the kept ones) "
+                                       "and their export as files an application loads without EdgeFL "
+                                       "(docs/OPERATOR.md, 'Exporting a model'). Safe while the coordinator runs.")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    versions = msub.add_parser("list", help="versions with round, score, and whether the served average is kept")
+    _common(versions)
+    versions.set_defaults(run=run_model_list)
+    out = msub.add_parser("export", help="write one version as a file, with metadata.json beside it",
+                          description="Write a model version into OUT (created; a directory that is not empty is "
+                                      "refused without --force): model.pt (a torch state_dict), model.ts "
+                                      "(TorchScript) or model.onnx, and metadata.json (version, round, task, "
+                                      "score, architecture, input shape, label names, fingerprint, sha256). The "
+                                      "served average is exported where it is kept ([evaluation] serve_average).")
+    out.add_argument("out", type=Path, metavar="OUT", help="the directory to write")
+    out.add_argument("--version", type=int, default=None, metavar="N",
+                     help="the model version ('model list'; default: the current one)")
+    out.add_argument("--format", default="state_dict", choices=["state_dict", "torchscript", "onnx"],
+                     help="state_dict: model.pt (torch.save); torchscript: model.ts; onnx: model.onnx "
+                          "(needs pip install edgefl[onnx])")
+    out.add_argument("--last", action="store_true",
+                     help="the last global model instead of the served average")
+    out.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
+    _common(out)
+    out.set_defaults(run=run_model_export)
 
 
 def config_path(given: str | Path | None) -> Path:
@@ -210,6 +236,16 @@ def run_backup(args: argparse.Namespace) -> int:
 def run_restore(args: argparse.Namespace) -> int:
     from broker_coordinator.cli import state_cli
     return state_cli.restore_from(args.dir, config_path(args.config), args.force, args.reload)
+
+
+def run_model_list(args: argparse.Namespace) -> int:
+    from broker_coordinator.cli import model_cli
+    return model_cli.list_models(_config(args))
+
+
+def run_model_export(args: argparse.Namespace) -> int:
+    from broker_coordinator.cli import model_cli
+    return model_cli.export(_config(args), args.version, args.format, args.out, args.last, args.force)
 
 
 def run_serve_enrollment(args: argparse.Namespace) -> int:

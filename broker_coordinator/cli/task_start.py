@@ -5,7 +5,6 @@ and (round, attempt) pairs past those it ran (it skips a task that repeats one).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 
@@ -15,6 +14,7 @@ from broker_coordinator.engine.transport import MqttTransport
 from broker_coordinator.settings.config import CoordinatorBroker, CoordinatorConfig
 from broker_coordinator.storage.tasks import ARCHIVE, REMEMBERED_ROUNDS, Started, Task, TaskDefinition, Tasks
 from edgefl_protocol import topics
+from edgefl_protocol.persist import file_sha256
 
 log = logging.getLogger("broker_coordinator")
 # the previous task's newest versions whose retained releases a new task clears (a buffered schedule
@@ -28,13 +28,7 @@ def task_definition(config: CoordinatorConfig) -> TaskDefinition:
     from models.objectives import Objective
     fed = config.federation
     objective = Objective.of(fed.task, fed.loss)
-    test_data = ""
-    if fed.test_data:
-        digest = hashlib.sha256()
-        with open(fed.test_data, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        test_data = digest.hexdigest()
+    test_data = file_sha256(fed.test_data) if fed.test_data else ""
     return TaskDefinition(fed.model, fingerprint(build_model(fed.model)), objective.task, objective.loss,
                           config.rounds.algorithm, test_data)
 

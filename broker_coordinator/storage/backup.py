@@ -21,7 +21,6 @@ before the archived tasks' (a task switch under way moves them into tasks/: stor
 from __future__ import annotations
 
 import grp
-import hashlib
 import json
 import os
 import pwd
@@ -30,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from edgefl_protocol.persist import file_sha256
 
 from broker_coordinator.settings.config import ENV_PREFIX, CoordinatorConfig
 from broker_coordinator.storage.store import CHECKPOINT, HISTORY_DIR, StoreError
@@ -148,7 +149,7 @@ def read_manifest(source: Path | str) -> Manifest:
             raise BackupError(f"{source / MANIFEST} names a file outside the backup or the state directory "
                               f"({entry.path}): not a backup this command wrote")
         path = source / entry.path
-        if not path.is_file() or path.stat().st_size != entry.bytes or _sha256(path) != entry.sha256:
+        if not path.is_file() or path.stat().st_size != entry.bytes or file_sha256(path) != entry.sha256:
             what = "is missing" if not path.is_file() else "differs from the manifest"
             raise BackupError(f"backup {source} is damaged: {entry.path} {what}; nothing was restored: "
                               "use another backup")
@@ -169,7 +170,7 @@ def _entry(source: Path, copy_to: Path, role: str, name: str, path: str,
     except PermissionError:
         raise BackupError(f"cannot read {source}: run as root (sudo) or as the coordinator's service "
                           "user") from None
-    return Entry(path, role, name, copy_to.stat().st_size, _sha256(copy_to), info.st_mode & 0o777,
+    return Entry(path, role, name, copy_to.stat().st_size, file_sha256(copy_to), info.st_mode & 0o777,
                  _name(pwd.getpwuid, info.st_uid), _name(grp.getgrgid, info.st_gid))
 
 
@@ -202,14 +203,6 @@ def _files(path: Path) -> list[Path]:
     """`path`, or the files under it, without temp files (a write under way) and dot files."""
     found = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
     return [p for p in found if not p.name.startswith(".") and not p.name.endswith((".tmp", "-wal", "-shm"))]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _name(lookup, number: int) -> str:  # noqa: ANN001 - pwd.getpwuid or grp.getgrgid

@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from edgefl_protocol.persist import file_sha256
+
 from broker_coordinator.storage.store import CHECKPOINT, HISTORY_DIR, RAISE_FLOOR, Store, read_checkpoint
 
 DATABASE = "coordinator.db"
@@ -200,7 +202,7 @@ class Tasks:
         last = self.db.execute(LAST_SCORE).fetchone()
         ended = Task(task.id, task.definition, task.started_at, time.time(), task.first_version,
                      ckpt.round if ckpt else 0, ckpt.version if ckpt else None, last[0] if last else None,
-                     last[1] if last else None, _sha256(live) if live else None, task.note)
+                     last[1] if last else None, file_sha256(live) if live else None, task.note)
         if not final.exists():
             self._copy_out(ended, final)
         floor = self._attempt_floor()
@@ -277,7 +279,7 @@ class Tasks:
             top = self.dir / name
             for left in sorted(top.iterdir()) if top.is_dir() else [top] if top.exists() else []:
                 archived = copy / left.relative_to(self.dir)
-                if archived.is_file() and _sha256(archived) == _sha256(left):
+                if archived.is_file() and file_sha256(archived) == file_sha256(left):
                     left.unlink()
             if top.is_dir() and not any(top.iterdir()):
                 top.rmdir()
@@ -386,9 +388,3 @@ def _fsync_tree(path: Path, recurse: bool = True) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
