@@ -49,6 +49,7 @@ from edgefl_protocol import algorithms, codec, downlink, messages, signing, topi
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
+from edgefl_protocol.version import software
 from models.architectures import ModelError, build_model, fingerprint, get_weights, resolve, set_weights
 from models.datasets import DatasetError
 from models.objectives import Objective, format_score
@@ -94,7 +95,8 @@ class Agent:
         self.fetch = ModelFetch(self.fed, self.state, Path(config.device.state_dir), self.stopping)
         threads = config.device.threads or default_threads()
         torch.set_num_threads(threads)
-        self.profile = {**probe(), "threads": threads, "samples": 0}  # samples: as of the last round
+        # samples: as of the last round; the software: so that the operator sees the fleet's versions
+        self.profile = {**probe(), **software(), "torch": torch.__version__, "threads": threads, "samples": 0}
         self.conditions = Conditions(config.conditions, config.device.state_dir)
         self.not_eligible: Reason | None = self.conditions.check()  # replaced whole: the network thread reads it
         self._next_check = time.monotonic() + CONDITIONS_EVERY

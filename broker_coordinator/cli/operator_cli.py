@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from broker_coordinator.settings.config import DEFAULT_PATH, ENV_PREFIX, load_config
@@ -186,6 +187,10 @@ def run_list(args: argparse.Namespace) -> int:
         print(f"no devices in federation {config.federation.name}: add one with 'broker-coordinator devices add NAME'")
         return 0
     print(format_rows(rows))
+    from broker_coordinator.engine.presence import agent_release
+    releases = Counter(agent_release(r.profile) for r in rows if r.online == "online")
+    if releases:  # the fleet's agent releases ("unknown": 0.1.0, which does not say)
+        print("agent releases online: " + ", ".join(f"{v} x{n}" for v, n in sorted(releases.items())))
     waiting = not_eligible(rows)
     if waiting:
         print("not eligible to train now, by their owners' [conditions] (edge-agent status on the device says more):")

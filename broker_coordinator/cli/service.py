@@ -7,12 +7,13 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from typing import Callable
 
 from broker_coordinator.cli.task_start import begin_task, connect_task, skip_attempts_the_devices_ran
 from broker_coordinator.engine.loop import Engine, record_dict
 from broker_coordinator.engine.pacing import Pacer, read_pace, request_resume
-from broker_coordinator.engine.presence import ineligible_because
+from broker_coordinator.engine.presence import agent_release, ineligible_because
 from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.engine.transport import MqttTransport
@@ -202,6 +203,9 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
     online = sum(1 for d in devices if d["online"] and d["device"] not in revoked)
     gone = sum(1 for d in devices if d["device"] in revoked)
     echo(f"devices: {online} online of {len(devices)} seen" + (f" ({gone} of them revoked)" if gone else ""))
+    releases = Counter(agent_release(d.get("profile")) for d in devices if d["online"] and d["device"] not in revoked)
+    if releases:  # the fleet's agent releases ("unknown": 0.1.0, which does not say)
+        echo("agent releases: " + ", ".join(f"{v} x{n}" for v, n in sorted(releases.items())))
     for d in devices:
         seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["last_seen"]))
         # by the fold's verdict: a left-out update is accepted but contributed nothing

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
+from edgefl_protocol.version import UNKNOWN
 
 log = logging.getLogger("broker_coordinator")
 PRESENCE_FLUSH = 1.0  # seconds a buffered status waits at most while messages keep arriving
@@ -41,12 +43,15 @@ class DevicePresence:
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
         self.pending_round: dict[str, int] = {}
         self._admitted: tuple[float, set[str] | None] = (0.0, None)  # (when, devices the registry admits)
+        self._versions_seen: set[str] = set()  # agent releases with a Prometheus series
 
     def on_status(self, device: str, payload: bytes) -> None:
         if not payload:  # its retained status cleared (`devices revoke` and `rotate` do, the broker sends no will)
             self.online.pop(device, None)
             if self.store:
                 self.store.record_presence(device, False, {})
+            self.metrics.online.set(len(self.online))
+            self._count_versions()
             return
         try:
             status = messages.decode_status(payload)
@@ -66,6 +71,16 @@ class DevicePresence:
         if self.store:
             self.store.record_presence(device, status.state == "online", dict(status.profile))
         self.metrics.online.set(len(self.online))
+        self._count_versions()
+
+    def _count_versions(self) -> None:
+        """Prometheus' `edgefl_agents{version}`: the online devices by the release their agent runs."""
+        counts = Counter(str(p.get("agent") or UNKNOWN) for p in self.online.values())
+        for version in self._versions_seen - set(counts):
+            self.metrics.agents.labels(version).set(0)
+        for version, n in counts.items():
+            self.metrics.agents.labels(version).set(n)
+        self._versions_seen |= set(counts)
 
     def tasked(self, devices: set[str] | list[str], round_no: int, deadline: float) -> None:
         """Busy with a task until it answers, its status says it is done, or the deadline."""
@@ -139,6 +154,17 @@ class SitePresence:
 
     def population(self) -> int:
         return sum(count_of(p, "online") for p in self.online.values())
+
+
+def agent_release(profile: Mapping[str, Any] | str | None) -> str:
+    """The release a device's agent says it runs (from its status profile, or the store's JSON text)."""
+    if isinstance(profile, str):
+        try:
+            profile = json.loads(profile)
+        except ValueError:
+            return UNKNOWN
+    value = profile.get("agent") if isinstance(profile, Mapping) else None
+    return value if isinstance(value, str) and value else UNKNOWN
 
 
 def ineligible_because(profile: Mapping[str, Any] | str | None) -> str | None:

@@ -40,6 +40,8 @@ class Metrics:
         self.privacy_epsilon = Gauge("edgefl_privacy_epsilon", "Epsilon spent so far at the configured delta "
                                      "([privacy] mode = central; user-level, over the applied versions)", registry=r)
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
+        self.agents = Gauge("edgefl_agents", "Online devices by the EdgeFL release their agent runs ('unknown': "
+                            "an agent of 0.1.0, which does not say)", ["version"], registry=r)
         self.tracking_failures = Counter("edgefl_tracking_failures", "Writes to a run tracker (TensorBoard, "
                                          "MLflow) that failed; the rounds go on", ["sink"], registry=r)
 
