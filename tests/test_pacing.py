@@ -120,3 +120,23 @@ def test_a_shutdown_ends_the_wait(tmp_path):
     engine.on_idle = lambda: engine.stopping.set() if engine.idled >= 3 else None
     pacer.wait(engine)
     assert engine.idled == pytest.approx(3)
+
+
+def test_the_new_data_a_resting_federation_waits_for_is_counted_flat_and_in_sites():
+    """Devices report their samples in their presence; a site's leader adds up its devices' and
+    reports the sum in the site's status, so `new_data` wakes a federation in sites too."""
+    from broker_coordinator.engine.presence import DevicePresence, SitePresence
+    from broker_coordinator.reporting.metrics import Metrics
+    from edgefl_protocol import messages
+
+    def status(who: str, **profile) -> bytes:
+        return messages.encode("status", messages.Status(who, "online", profile))
+
+    site_devices = DevicePresence(None, Metrics())  # what a site worker sees of its devices
+    site_devices.on_status("pi-1", status("pi-1", samples=120))
+    site_devices.on_status("pi-2", status("pi-2", samples=30))
+    site_devices.on_status("pi-3", status("pi-3"))  # an agent that has not trained yet reports no samples
+    centre = SitePresence()
+    centre.on_status("north", status("north", online=3, eligible=3, samples=site_devices.samples()))
+    centre.on_status("south", status("south", online=1, eligible=1, samples=50))
+    assert site_devices.samples() == 150 and centre.samples() == 200

@@ -266,9 +266,8 @@ class Engine:
 
     # presence -----------------------------------------------------------------------
     def presence_samples(self) -> int:
-        """Training samples the online devices hold, as their presence reports them."""
-        return sum(v for p in self.presence.online.values()
-                   if isinstance(v := p.get("samples", 0), int) and not isinstance(v, bool) and v > 0)
+        """Training samples the online devices hold (in sites, as each site's leader adds them up)."""
+        return self.presence.samples()
 
     def settle_presence(self, quiet: float = 0.5, limit: float = 5.0) -> None:
         """After (re)connecting, read the retained statuses until they stop arriving, so the first

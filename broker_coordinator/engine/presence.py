@@ -113,6 +113,10 @@ class DevicePresence:
     def population(self) -> int:
         return len(self.online)
 
+    def samples(self) -> int:
+        """Training samples the online devices hold, as their presence reports them."""
+        return sum(count_of(p, "samples") for p in self.online.values())
+
     def _is_admitted(self, device: str) -> bool:
         """Presence comes from retained statuses anyone enrolled could have left: only devices the
         registry admits (active, not revoked) are selected. Answers are cached for a few seconds."""
@@ -154,6 +158,10 @@ class SitePresence:
 
     def population(self) -> int:
         return sum(count_of(p, "online") for p in self.online.values())
+
+    def samples(self) -> int:
+        """Training samples the sites' online devices hold, as each site's leader reports them."""
+        return sum(count_of(p, "samples") for p in self.online.values())
 
 
 def agent_release(profile: Mapping[str, Any] | str | None) -> str:

@@ -402,7 +402,9 @@ class SiteWorker:
         now = time.monotonic()
         if now - self._status_at < STATUS_EVERY or not isinstance(self.transport, MqttTransport):
             return
-        profile = {"online": self.presence.population(), "eligible": self.presence.eligible_devices()}
+        # the samples: what a resting federation's coordinator watches for new data ([pacing] new_data)
+        profile = {"online": self.presence.population(), "eligible": self.presence.eligible_devices(),
+                   "samples": self.presence.samples()}
         if profile != self._status_sent:
             status = messages.Status(self.site, "online", profile)
             self.transport.publish(site_topic(self.fed, self.site, "status"), messages.encode("status", status),
