@@ -24,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from .model_cli import add_model_commands
     from .operator_cli import add_operator_commands
+    from .serve import add_serve_command
     add_operator_commands(sub)
     add_model_commands(sub)
+    add_serve_command(sub)
     args = parser.parse_args(argv)
     if args.command != "run":
         return args.handler(args)

@@ -9,6 +9,9 @@ Each call checks the `current` link (one readlink) and loads the version it poin
 changed. A version is read from its own directory, which never changes once published, and its
 model.pt is checked against the sha256 in its metadata.json; a version removed while being read is
 read again from `current` (see `serving_store`).
+
+An application in another process, or one that should not load torch, asks `edge-agent serve` over
+its Unix socket instead: `predict_over_socket(path, x)` (the protocol: `edge_agent.serve`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -69,7 +73,7 @@ class ServedModel:
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._target: str | None = None
         self._meta: dict[str, Any] = {}
         self._model: torch.nn.Module | None = None
@@ -89,6 +93,13 @@ class ServedModel:
         """The current version's torch module (eval mode); do not train it in place."""
         return self._refresh()
 
+    def current(self) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """(module, metadata) of one version, read together: what a multi-threaded caller uses so that
+        the version it names is the one that answered."""
+        with self._lock:
+            model = self._refresh()
+            return model, dict(self._meta)
+
     @property
     def metadata(self) -> dict[str, Any]:
         """The current version's metadata.json."""
@@ -97,8 +108,8 @@ class ServedModel:
 
     def predict(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
         """Predicted classes (classification) or values (regression) for a batch `x`."""
-        model = self._refresh()
-        task = self._meta.get("task", "classification")
+        model, meta = self.current()
+        task = meta.get("task", "classification")
         inputs = torch.as_tensor(np.asarray(x, dtype=np.float32) if not isinstance(x, torch.Tensor) else x)
         with torch.no_grad():
             output = model(inputs.float())
@@ -106,3 +117,40 @@ class ServedModel:
             return output.argmax(dim=1).numpy()
         values = output.reshape(len(inputs), -1)
         return (values[:, 0] if values.shape[1] == 1 else values).numpy()
+
+
+class ServeError(RuntimeError):
+    """`edge-agent serve` answered with an error (its one-line message), or could not be reached."""
+
+
+def predict_over_socket(path: Path | str, x: Any, probabilities: bool = False,
+                        timeout: float = 30.0) -> dict[str, Any]:
+    """Ask the `edge-agent serve` listening on the Unix socket `path` for predictions of `x` (a batch, or
+    one sample, of the model's input shape; numpy, torch or nested lists). Returns its answer,
+    `{"version": N, "predictions": [...]}` (and `"probabilities"` when asked); raises ServeError with
+    the server's message when it answers an error."""
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    request: dict[str, Any] = {"x": x}
+    if probabilities:
+        request["probabilities"] = True
+    return _ask(path, request, timeout)
+
+
+def _ask(path: Path | str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(str(path))
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            with conn.makefile("rb") as answers:
+                line = answers.readline()
+    except OSError as exc:
+        raise ServeError(f"cannot reach edge-agent serve at {path}: {exc} (is it running, and is this user in "
+                         "the socket's group?)") from None
+    if not line:
+        raise ServeError(f"edge-agent serve at {path} closed the connection without an answer")
+    answer = json.loads(line)
+    if "error" in answer:
+        raise ServeError(answer["error"])
+    return answer

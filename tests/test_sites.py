@@ -533,7 +533,7 @@ def test_generated_site_config_bridges_over_tls_with_least_privilege(tmp_path):
         wait_until(lambda: any(t == "edgefl/field/site/north/status" and p for t, p in central.messages), 60,
                    "the site aggregator's status at the central broker")
         status = messages.decode_status(next(p for t, p in central.messages if t.endswith("/north/status") and p))
-        assert status.state == "online" and status.profile == {"online": 0, "eligible": 0}
+        assert status.state == "online" and status.profile == {"online": 0, "eligible": 0, "samples": 0}
     finally:
         for recorder in clients:
             recorder.close()
