@@ -145,9 +145,11 @@ clean:
 	rm -rf $(VENV) demo-out .pytest_cache
 
 # the wheel and the sdist into dist/ (docs/OPERATOR.md installs the wheel on the server and the devices)
-dist: setup
+dist:  # the wheel and sdist: the project is pure Python, so a small venv with `build` is all it takes (no torch)
+	python3 -m venv .venv-build
+	.venv-build/bin/pip install -q build
 	rm -rf dist
-	$(BIN)/python -m build --outdir dist .
+	.venv-build/bin/python -m build --outdir dist .
 
 # Debian's own CPU-only torch (bookworm's python3-torch 1.13.1, the oldest that pyproject.toml admits) in the
 # TORCH=system venv on /usr/bin/python3, the project without extras: the tests and a 3-round federation

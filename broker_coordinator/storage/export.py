@@ -21,7 +21,6 @@ Reads only: safe beside a running coordinator. Imports torch when it exports.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgefl_protocol.persist import file_sha256
+from edgefl_protocol.version import release
 from typing import Any
 
 from broker_coordinator.storage.store import CHECKPOINT, HISTORY_DIR, Checkpoint, StoreError, read_checkpoint
@@ -221,7 +221,7 @@ def _metadata(state_dir: Path | str, chosen: ModelVersion, ckpt: Checkpoint, whi
         "fingerprint": model_fingerprint,
         "model_sha256": ckpt.sha256 if which == "last" else None,  # the global model's, as the round record has it
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "exporter": {"package": "edgefl", "version": _package_version(), "torch": torch.__version__},
+        "exporter": {"package": "edgefl", "version": release(), "torch": torch.__version__},
     }
 
 
@@ -238,9 +238,3 @@ def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("edgefl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
