@@ -148,6 +148,10 @@ def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
     last = state.get("last_round")
     lines.append(f"last round: {last if last is not None else 'none yet'}"
                  + (f" (model version {state.get('last_model_version')})" if last is not None else ""))
+    verdict = state.get("last_verdict")
+    if isinstance(verdict, dict) and verdict.get("kind"):
+        lines.append(f"last verdict: round {verdict.get('round')}: {verdict['kind']}"
+                     + (f" ({verdict['detail']})" if verdict.get("detail") else ""))
     lines += conditions_lines(config)
     lines.append(f"service:    {service_state()}")
     return (0 if reachable else 1), lines

@@ -147,6 +147,9 @@ class Settlement:
         """Commit what the verdict says was folded (see the module's docstring); returns the verdict."""
         kind, scale, detail = verdict_of(receipt, resend)
         apply_verdict(self.state.data, sent, kind, scale)
+        # what `edge-agent status` shows: the last verdict and why (a reduced weight, a clip, a rejection)
+        self.state.data["last_verdict"] = {"round": sent.task.round, "attempt": sent.task.attempt, "kind": kind,
+                                           "detail": (detail or "")[:300]}
         if kind == "rejected":
             self.give_back(sent.down)
         self.unsettled = sent if kind == "unknown" else None

@@ -129,12 +129,15 @@ def test_operator_guide_end_to_end(tmp_path):
         listing = run_module("broker_coordinator", "devices", "list", *coordinator)
         row = next(line.split() for line in listing.stdout.splitlines() if line.startswith("pi-07"))
         assert row[:3] == ["pi-07", "active", "online"] and row[-2:] == ["1", "1"], listing.stdout
+        from edge_agent.state import DeviceState
+        wait_for(lambda: DeviceState(state).data.get("last_verdict"), 30, "the agent to settle its round 1 update")
         session_file = state / "session.json"  # the running agent's: status reads it instead of signing in
         before = session_file.read_text()
         status = run_module("edge_agent", "status", "--config", str(agent_config))
         assert status.returncode == 0, status.stdout + status.stderr
         assert "enrolled:   yes, device pi-07" in status.stdout and "credentials accepted" in status.stdout
         assert "is connected since" in status.stdout and "last round: 1" in status.stdout
+        assert "last verdict: round 1: folded" in status.stdout or "last verdict: round 1: clipped" in status.stdout, status.stdout
         # a marker on the agent's task topic, sent after status returned: the agent logs it (as not a task) once it
         # has read it, and a session dropped under it by then would have been noted in the session file first
         # (on_disconnect, then on_connect of the new session, before any message on that one)
