@@ -62,6 +62,7 @@ from .device_step import Budget, agent_seed, device_step, local_settings
 from .hardware import calibrate, default_threads, probe
 from .model_fetch import MAX_MODEL_VALUES, ModelFetch
 from .runtime import record_session
+from .serving_fetch import ServingFetch
 from .serving_gate import ServingGate
 from .settlement import Settlement
 from .state import DeviceState
@@ -114,6 +115,9 @@ class Agent:
         self.serving = ServingGate(config.serving) if config.serving.dir else None  # [serving] dir = "": off
         if self.serving and (current := self.serving.store.current_version()) is not None:
             self.profile["serving_current"] = current
+        # the coordinator's serving releases, once it publishes them (else the training releases are served)
+        self.serving_fetch = ServingFetch(self.fed, self.serving.store.current_version()) if self.serving else None
+        self._judged_by: tuple[int, LocalData, Objective] | None = None  # the last task's round, data, objective
 
     def _status(self, state: str) -> bytes:
         profile = {**self.profile, "busy": self.busy, "last_round": int(self.state.data.get("last_round", 0))}
@@ -150,7 +154,8 @@ class Agent:
     # paho callbacks (network thread) -------------------------------------------------
     def _on_connect(self, client) -> None:  # noqa: ANN001
         client.subscribe([(topics.task(self.fed, self.device), 1), (topics.models(self.fed), 1),
-                          (topics.receipt(self.fed, self.device), 1)] + self.fetch.subscriptions())
+                          (topics.receipt(self.fed, self.device), 1)] + self.fetch.subscriptions()
+                         + (self.serving_fetch.subscriptions() if self.serving_fetch else []))
         client.publish(topics.status(self.fed, self.device), self._status("online"), qos=1, retain=True)
         record_session(client, self.config.device.state_dir)  # for `edge-agent status` (edge_agent/runtime.py)
         log.info("connected as %s", self.device)
@@ -162,6 +167,8 @@ class Agent:
                 self.delivery.wake()  # a delivery still waiting for its receipt is superseded
             elif msg.topic == topics.receipt(self.fed, self.device):
                 self.delivery.receive(messages.decode_receipt(msg.payload))
+            elif self.serving_fetch is not None and self.serving_fetch.owns(msg.topic):
+                self.serving_fetch.on_message(client, msg.topic, msg.payload)
             else:  # model manifests, chunks and deltas
                 self.fetch.on_message(client, msg.topic, msg.payload)
         except Rejected as exc:
@@ -180,8 +187,10 @@ class Agent:
                     task = self.tasks.get(timeout=0.5)
                 except queue.Empty:
                     self._idle_tick()
+                    self._serve_release()
                     continue
                 self._handle(task)
+                self._serve_release()
         finally:
             self.state.save()
             self.session.stop(last_words=(topics.status(self.fed, self.device), self._status("offline")))
@@ -244,7 +253,9 @@ class Agent:
             self._refuse(task, refusal)
             return
         self.fetch.remember_model(release, body)
-        self._serve(task, release, model, data, objective)
+        self._judged_by = (task.round, data, objective)
+        if not (self.serving_fetch and self.serving_fetch.seen):  # a coordinator without serving releases
+            self._serve(task.round, release, model, data, objective)
         try:
             evaluation = self._evaluate(task, model, data, objective)
             if not task.train:
@@ -257,24 +268,39 @@ class Agent:
         except Exception:  # a bug or a hostile task must not take the device's service down
             log.exception("round %d: task failed; waiting for the next one", task.round)
 
-    def _serve(self, task: messages.Task, release: messages.ModelRelease, model: torch.nn.Module,
+    def _serve_release(self) -> None:
+        """The coordinator's serving release, once it is whole, through the gate: judged on the data
+        and objective of the last task (it waits for the first task)."""
+        if self.serving_fetch is None or self._judged_by is None or (ready := self.serving_fetch.take()) is None:
+            return
+        release, body = ready
+        round_no, data, objective = self._judged_by
+        try:
+            model = self._installed_model(release)
+            set_weights(model, downlink.decode_weights(release, body, None, MAX_MODEL_VALUES))
+        except (Rejected, ValueError, KeyError) as exc:
+            log.warning("serving release %d refused: %s; the current version keeps serving", release.version, exc)
+            return
+        self._serve(round_no, release, model, data, objective)
+
+    def _serve(self, round_no: int, release: messages.ModelRelease, model: torch.nn.Module,
                data: LocalData, objective: Objective) -> None:
         """Offer a new version to the serving store (once per version, before training changes `model`)."""
         if self.serving is None or not self.serving.wants(release.version):
             return
         try:
-            decision = self.serving.offer(release, task.round, model, data.held_out, objective)
+            decision = self.serving.offer(release, round_no, model, data.held_out, objective)
         except Exception as exc:  # the store is for the device's applications: never stop training for it
             self.serving.errors += 1
             self.profile["serving_errors"] = self.serving.errors
             log.warning("round %d: cannot publish model version %d to the serving store %s: %s; check that the "
                         "directory exists, is writable by the agent and has space ([serving] dir, \"\" = off); "
-                        "applications keep the current version", task.round, release.version,
+                        "applications keep the current version", round_no, release.version,
                         self.serving.store.root, exc)
             return
         finally:
             model.train()
-        log.info("round %d: serving: %s", task.round, decision.text())
+        log.info("round %d: serving: %s", round_no, decision.text())
         current = self.serving.store.current_version()
         if current is not None:
             self.profile["serving_current"] = current

@@ -55,6 +55,29 @@ def model_chunks(fed: str, version: int) -> str:
     return f"{ROOT}/{fed}/model/{version}/+"
 
 
+def serving(fed: str) -> str:
+    """Retained: the manifest of the model the coordinator vouches for, for devices to serve. Under
+    `model/` so that the devices' ACL (`model/#`) already lets them read it."""
+    return f"{ROOT}/{fed}/model/serving"
+
+
+def serving_chunk(fed: str, version: int, index: int) -> str:
+    return f"{ROOT}/{fed}/model/serving/{version}/{index}"
+
+
+def serving_chunks(fed: str, version: int) -> str:
+    return f"{ROOT}/{fed}/model/serving/{version}/+"
+
+
+def parse_serving_chunk_topic(topic: str) -> tuple[int, int] | None:
+    """`edgefl/<fed>/model/serving/<version>/<i>` -> (version, i); None for anything else."""
+    parts = topic.split("/")
+    if (len(parts) != 6 or parts[0] != ROOT or parts[2:4] != ["model", "serving"]
+            or not all(p.isascii() and p.isdigit() for p in parts[4:])):
+        return None
+    return int(parts[4]), int(parts[5])
+
+
 def model_delta(fed: str, version: int) -> str:
     return f"{ROOT}/{fed}/model/{version}/delta/{version - 1}"
 

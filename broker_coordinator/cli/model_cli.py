@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from broker_coordinator.settings.config import CoordinatorConfig
-from broker_coordinator.storage.export import ModelVersion, export_model, model_versions
+from broker_coordinator.storage.export import ModelVersion, export_model, find_version, model_versions
 
 
 def list_models(config: CoordinatorConfig) -> int:
@@ -32,6 +32,16 @@ def export(config: CoordinatorConfig, version: int | None, fmt: str, out: Path, 
     weights = "the served average" if m["weights"] == "served" else "the last global model"
     print(f"exported model version {m['version']} (round {m['round']}, {score}, {weights}) as {m['format']} to "
           f"{done.path} (sha256 {m['sha256'][:16]}...); its metadata in {Path(out) / 'metadata.json'}")
+    return 0
+
+
+def promote(config: CoordinatorConfig, version: int) -> int:
+    from broker_coordinator.engine.serving import request_promote
+    chosen = find_version(config.storage.state_dir, version)  # an unknown version: the error lists the kept ones
+    request_promote(config.storage.state_dir, chosen.version)
+    print(f"asked the coordinator to publish model version {chosen.version} (round {chosen.round}, {_score(chosen)}) "
+          "for the devices to serve; a running coordinator does so within a second, a stopped one when it starts "
+          "('broker-coordinator status' shows what is published)")
     return 0
 
 

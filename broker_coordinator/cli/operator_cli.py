@@ -138,6 +138,14 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
     _common(out)
     out.set_defaults(run=run_model_export)
+    promote = msub.add_parser("promote", help="publish a kept version for the devices to serve, whatever its score",
+                              description="Ask the running coordinator to publish model version N (its served "
+                                          "average where kept) as the release its devices serve ([serving]), "
+                                          "even when a later version scored better or worse. Each device still "
+                                          "takes it through its own gate (its held-out data).")
+    promote.add_argument("version", type=int, metavar="N", help="the model version ('model list')")
+    _common(promote)
+    promote.set_defaults(run=run_model_promote)
 
 
 def config_path(given: str | Path | None) -> Path:
@@ -246,6 +254,11 @@ def run_restore(args: argparse.Namespace) -> int:
 def run_model_list(args: argparse.Namespace) -> int:
     from broker_coordinator.cli import model_cli
     return model_cli.list_models(_config(args))
+
+
+def run_model_promote(args: argparse.Namespace) -> int:
+    from broker_coordinator.cli import model_cli
+    return model_cli.promote(_config(args), args.version)
 
 
 def run_model_export(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from broker_coordinator.cli.task_start import begin_task, connect_task, skip_att
 from broker_coordinator.engine.loop import Engine, record_dict
 from broker_coordinator.engine.pacing import Pacer, read_pace, request_resume
 from broker_coordinator.engine.presence import agent_release, ineligible_because
+from broker_coordinator.engine.serving import read_published
 from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.engine.transport import MqttTransport
@@ -52,7 +53,8 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
         sites = {name: SiteSpec(s.workers, site_key(b.password, name)) for name, s in config.sites.items()}
     coordinator = Engine(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                        store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
-                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, sites=sites)
+                       metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, sites=sites,
+                       serving=config.serving)
     tracker = RunTracker.start(config.tracking, fed.name, {name: getattr(config, name) for name in (
         "federation", "broker", "rounds", "storage", "enrollment", "metrics", "sites")}, metrics)  # no secrets: flatten
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
@@ -73,6 +75,8 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     try:
         while not coordinator.stopping.is_set() and (fed.rounds == 0 or coordinator.next_round <= fed.rounds):
             pacer.wait(coordinator)  # the interval since the last round, or a federation at rest
+            if coordinator.serving is not None:
+                coordinator.serving.promote_if_asked(coordinator.transport, objective.metric)
             if coordinator.stopping.is_set():
                 break
             try:
@@ -157,6 +161,13 @@ def _revoked(config: CoordinatorConfig) -> set[str]:
 
 def resume(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     """Wake a resting federation (the running coordinator reads the request within a second)."""
+    served = read_published(config.storage.state_dir)
+    if served is not None:  # what the devices serve ([serving])
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(served.get("published_at", 0)))
+        score = served.get("score")
+        echo(f"serving: model version {served['version']} (round {served['round']}, {served.get('weights')}"
+             + (f", {served.get('metric')} {score:.4g}" if isinstance(score, (int, float)) else "")
+             + f") published {when}")
     pace = read_pace(config.storage.state_dir)
     if pace is None or pace.state != "resting":
         echo(f"federation {config.federation.name!r} is not resting"

@@ -226,6 +226,21 @@ class UpdateIntake:
         for key, verdict in self.verdicts.abandon(rnd.number, rnd.attempt, rnd.reason):
             self._final_receipt(key, verdict)
 
+    def take_back_unsaved(self, first_unsaved_round: int) -> None:
+        """Verdicts the last run gave for a round it never saved (killed between the receipts and the
+        checkpoint): each device is told its update is in no model, and undoes what it committed."""
+        if self.journal is None:
+            return
+        unsaved = self.journal.unsaved(first_unsaved_round)
+        for round_no, attempt, device in unsaved:
+            self.take_back((device, round_no, attempt), f"the coordinator restarted before round {round_no} was "
+                                                        "saved: this update is in no model")
+        self.journal.saved()
+        if unsaved:
+            log.info("took back %d verdict(s) of round(s) %s, which the last run gave and never saved; the "
+                     "devices undo what they committed", len(unsaved),
+                     ", ".join(str(r) for r in sorted({key[0] for key in unsaved})))
+
     def take_back(self, key: tuple[str, int, int], why: str) -> None:
         """A verdict given for a round that was never saved: the update is in no model, and told so."""
         verdict = Verdict(LEFT_OUT, 0.0, why)

@@ -55,6 +55,7 @@ from broker_coordinator.engine.private_rounds import PrivateRounds, uplink_advic
 from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState
+from broker_coordinator.engine.serving import ServingReleases
 from broker_coordinator.engine.sync_rounds import SyncRounds
 from broker_coordinator.engine.transport import InMemoryTransport, MqttTransport, Transport
 from broker_coordinator.engine.tree import Sites, SiteSpec
@@ -62,6 +63,7 @@ from broker_coordinator.engine.verdicts import Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.round_settings import RoundRecord, RoundSettings
+from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
 from broker_coordinator.storage.verdict_journal import VerdictJournal
 from edgefl_protocol import algorithms, codec, delta_downlink, messages, topics
@@ -79,7 +81,7 @@ class Engine:
                  on_state: Callable[[Round], None] | None = None,
                  device_keys: Mapping[str, bytes] | None = None, root_set: Dataset | None = None,
                  objective: Objective = Objective(), sites: Mapping[str, SiteSpec] | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, serving: ServingSettings | None = None) -> None:
         settings.validate()
         if sites is not None:
             composition.check(settings, "sites")
@@ -153,6 +155,10 @@ class Engine:
                                           else Devices(self.intake.presence))
         self.presence = self.topology.presence
         self.records = RoundRecords(self.metrics, self.verdicts, self.consensus, objective, self.privacy)
+        # [serving]: the model it vouches for, published for the devices to serve (`run` only)
+        self.serving = ServingReleases(self.fed, arch, fingerprint(self.model), settings.model_codec,
+                                       settings.model_chunk_bytes, serving, objective.higher_is_better,
+                                       store.dir if store else None) if serving is not None else None
         if store:
             self._resume(store)
 
@@ -216,26 +222,15 @@ class Engine:
         self.take_back_unsaved()
 
     def take_back_unsaved(self) -> None:
-        """Verdicts the last run gave for a round it never saved (killed between the receipts and the
-        checkpoint): each device is told its update is in no model, and undoes what it committed."""
-        if self.journal is None:
-            return
-        unsaved = self.journal.unsaved(self.next_round)
-        for round_no, attempt, device in unsaved:
-            self.intake.take_back((device, round_no, attempt), f"the coordinator restarted before round "
-                                                               f"{round_no} was saved: this update is in no model")
-        self.journal.saved()
-        if unsaved:
-            log.info("took back %d verdict(s) of round(s) %s, which the last run gave and never saved; the "
-                     "devices undo what they committed", len(unsaved),
-                     ", ".join(str(r) for r in sorted({key[0] for key in unsaved})))
+        """Verdicts the last run gave for a round it never saved: taken back (`intake.take_back_unsaved`)."""
+        self.intake.take_back_unsaved(self.next_round)
 
     def _on_connect(self, client) -> None:  # noqa: ANN001 (paho client, on paho's thread)
         # Presence is re-learnt from the retained statuses the subscription delivers.
         self.transport.inbox.put(("", b"reset-presence", time.time(), False))
         client.subscribe(self.topology.subscriptions(self.fed))
-        for topic, payload in self.releases.payloads:  # a restarted broker has lost the retained model
-            client.publish(topic, payload, qos=1, retain=True)
+        for topic, payload in self.releases.payloads + (self.serving.payloads if self.serving else []):
+            client.publish(topic, payload, qos=1, retain=True)  # a restarted broker has lost the retained models
 
     def close(self) -> None:
         if isinstance(self.transport, MqttTransport):
@@ -260,6 +255,8 @@ class Engine:
 
     def idle(self, seconds: float) -> None:
         """Read the inbox for `seconds` (presence, late answers and their receipts) without a round open."""
+        if self.serving is not None:
+            self.serving.promote_if_asked(self.transport, self.objective.metric)
         until = time.monotonic() + seconds
         while not self.stopping.is_set() and (left := until - time.monotonic()) > 0:
             self.drain(min(left, 0.5))
@@ -395,6 +392,11 @@ class Engine:
             self.journal.saved()  # the round's verdicts are in the database now
         self.set_state(rnd, RoundState.CHECKPOINTED)
         self.next_round = round_no + 1
+        if self.serving is not None and rnd.train:
+            score = central.score if central is not None else (record.federated or {}).get("score")
+            served = self.served.weights if self.settings.serve_average else self.served_from()
+            self.serving.after_round(self.transport, self.version, round_no, dict(served), dict(self.served_from()),
+                                     score, self.objective.metric)
         self.records.published(record, central, self.evaluate_devices)
         return record
 

@@ -110,6 +110,7 @@ from typing import Any
 
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.pacing_settings import PacingSettings
+from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.settings.site_settings import SiteSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
 from edgefl_protocol import topics
@@ -227,6 +228,7 @@ class CoordinatorConfig:
     sites: dict[str, SiteSettings] = field(default_factory=dict)  # empty: a flat federation
     tracking: TrackingSettings = field(default_factory=TrackingSettings)  # off unless a key is set
     pacing: PacingSettings = field(default_factory=PacingSettings)
+    serving: ServingSettings = field(default_factory=ServingSettings)
 
     @property
     def registry_path(self) -> Path:
@@ -236,7 +238,7 @@ class CoordinatorConfig:
 # the round sections are round_sections.ROUND_SECTIONS and [privacy] (not imported here: they import torch);
 # [rounds] is the round keys' old place (round_config.py)
 SECTIONS = ("federation", "broker", "schedule", "algorithm", "fold", "server_optimizer", "transfer", "evaluation",
-            "privacy", "pacing", "storage", "enrollment", "metrics", "sites", "tracking", "rounds")
+            "privacy", "pacing", "serving", "storage", "enrollment", "metrics", "sites", "tracking", "rounds")
 
 
 def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig:
@@ -283,4 +285,5 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
     return CoordinatorConfig(federation, section(CoordinatorBroker, "broker"), rounds,
                              section(StorageSettings, "storage"), section(EnrollmentSettings, "enrollment"),
                              section(MetricsSettings, "metrics"), path, sites,
-                             tracking=section(TrackingSettings, "tracking"), pacing=section(PacingSettings, "pacing"))
+                             tracking=section(TrackingSettings, "tracking"), pacing=section(PacingSettings, "pacing"),
+                             serving=section(ServingSettings, "serving"))

@@ -1,0 +1,123 @@
+"""The model the coordinator vouches for, published for the devices to serve (`[serving]`).
+
+After each round that made a version, the coordinator publishes the served average (`publish =
+"served"`, the model it evaluates and reports) or the last global model (`"last"`) as a retained
+release on `topics.serving`: the manifest and its chunks, in the training model's codec, so that
+every device fetches it once and verifies its sha256. With `only_better` a version is published
+only when its score (central, or the devices' federated score) is at least the published one's;
+`broker-coordinator model promote N` publishes a kept version by hand, whatever its score. What
+was published last is kept in `serving.json` in the state directory (`status` shows it), and
+published again after a broker restart.
+
+A device adds a release to its serving store through its own gate (edge_agent/serving_fetch.py,
+serving_gate.py); an agent of 0.1.0 ignores the topic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from broker_coordinator.engine.transport import Transport
+from broker_coordinator.settings.serving_settings import ServingSettings
+from broker_coordinator.storage.export import find_version, round_score
+from broker_coordinator.storage.store import StoreError, read_checkpoint
+from edgefl_protocol import downlink, messages, topics
+from edgefl_protocol.persist import atomic_write
+
+log = logging.getLogger("broker_coordinator")
+STATE_FILE = "serving.json"
+PROMOTE_FILE = "serving.promote"  # written by `broker-coordinator model promote N`
+
+
+def read_published(state_dir: Path | str) -> dict[str, Any] | None:
+    """The serving release published last ({version, round, score, metric, weights, published_at, how})."""
+    try:
+        return json.loads((Path(state_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def request_promote(state_dir: Path | str, version: int) -> Path:
+    path = Path(state_dir) / PROMOTE_FILE
+    atomic_write(path, f"{version}\n", mode=0o644)
+    return path
+
+
+class ServingReleases:
+    def __init__(self, fed: str, arch: str, fingerprint: str, model_codec: str, chunk_bytes: int,
+                 settings: ServingSettings, higher_is_better: bool, state_dir: Path | str | None) -> None:
+        self.fed, self.arch, self.fingerprint = fed, arch, fingerprint
+        self.model_codec, self.chunk_bytes, self.settings = model_codec, chunk_bytes, settings
+        self.higher_is_better = higher_is_better
+        self.dir = Path(state_dir) if state_dir is not None else None
+        self.published = read_published(self.dir) if self.dir else None
+        self.payloads: list[tuple[str, bytes]] = []  # retained (topic, payload): sent again after a reconnect
+
+    def after_round(self, transport: Transport, version: int, round_no: int, served: dict[str, np.ndarray],
+                    last: dict[str, np.ndarray], score: float | None, metric: str) -> None:
+        """The policy after a round that made `version`."""
+        if self.settings.publish == "off":
+            return
+        before = (self.published or {}).get("score")
+        if (self.settings.only_better and isinstance(before, (int, float)) and self.published
+                and not self._at_least(score, before)):
+            log.info("serving: version %d scores %s, the published version %d scored %.4g: kept version %d "
+                     "([serving] only_better)", version, "nothing" if score is None else f"{score:.4g}",
+                     self.published["version"], before, self.published["version"])
+            return
+        weights = served if self.settings.publish == "served" else last
+        self.publish(transport, version, round_no, weights, score, metric, self.settings.publish)
+
+    def _at_least(self, score: float | None, before: float) -> bool:
+        if score is None or not math.isfinite(score):
+            return False
+        return score >= before if self.higher_is_better else score <= before
+
+    def publish(self, transport: Transport, version: int, round_no: int, weights: dict[str, np.ndarray],
+                score: float | None, metric: str, how: str) -> bool:
+        """Retained chunks, then the manifest; the previous release's chunks cleared. Never raises for the
+        broker: a release that does not go out is logged and tried again after the next round."""
+        manifest, chunks = downlink.release(version, self.arch, weights, self.model_codec, self.chunk_bytes,
+                                            self.fingerprint)
+        payloads = [(topics.serving_chunk(self.fed, version, i), c) for i, c in enumerate(chunks)]
+        payloads.append((topics.serving(self.fed), messages.encode("model", manifest)))
+        for topic, payload in payloads:
+            if not transport.publish_until(topic, payload, time.time() + 60, retain=True):
+                log.warning("serving: version %d could not be published (the broker did not confirm %s); the "
+                            "devices keep serving version %s", version, topic,
+                            (self.published or {}).get("version", "none"))
+                return False
+        before = self.published
+        if before and before.get("version") != version:
+            for i in range(int(before.get("chunks", 0))):
+                transport.publish(topics.serving_chunk(self.fed, int(before["version"]), i), b"", retain=True)
+        self.payloads = payloads
+        self.published = {"version": version, "round": round_no, "score": score, "metric": metric, "weights": how,
+                          "chunks": len(chunks), "sha256": manifest.sha256, "published_at": time.time()}
+        if self.dir is not None:
+            atomic_write(self.dir / STATE_FILE, json.dumps(self.published, indent=1), mode=0o644)
+        log.info("serving: published model version %d (round %d, %s%s) for the devices to serve", version,
+                 round_no, how, "" if score is None else f", {metric} {score:.4g}")
+        return True
+
+    def promote_if_asked(self, transport: Transport, metric: str) -> None:
+        """`broker-coordinator model promote N`: publish kept version N for serving, whatever its score."""
+        if self.dir is None or not (path := self.dir / PROMOTE_FILE).exists():
+            return
+        text = path.read_text().strip()
+        path.unlink(missing_ok=True)
+        try:
+            ckpt = read_checkpoint(find_version(self.dir, int(text)).path)
+        except (StoreError, ValueError, KeyError, OSError) as exc:
+            log.error("serving: cannot promote model version %s: %s", text, exc)
+            return
+        score, scored, _ = round_score(ckpt.record)
+        self.publish(transport, ckpt.version, ckpt.round, ckpt.served or ckpt.weights, score, scored or metric,
+                     "promoted")

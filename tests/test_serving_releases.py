@@ -1,0 +1,128 @@
+"""The model the coordinator vouches for, published for the devices to serve ([serving])."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from broker_coordinator.engine.loop import Engine
+from broker_coordinator.engine.rounds import RoundState
+from broker_coordinator.engine.serving import read_published, request_promote
+from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.settings.serving_settings import ServingSettings
+from broker_coordinator.simulation.in_memory import fold_round
+from broker_coordinator.storage.store import Store
+from edgefl_protocol import codec, downlink, messages, signing, topics
+from models import datasets
+
+FED = "srv"
+DEVICES = ("d1", "d2", "d3")
+KEYS = {d: signing.new_key() for d in DEVICES}
+
+
+def engine(tmp_path, **serving) -> Engine:
+    settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", serve_average=0.5)
+    return Engine(FED, "digits_mlp", datasets.load("digits").test, settings, store=Store(tmp_path),
+                  device_keys=KEYS, serving=ServingSettings(**serving))
+
+
+def answers(e: Engine, scale: float, seed: int = 0) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for d in DEVICES:
+        delta = {k: (scale * rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in e.weights.items()}
+        encoded = codec.encode(delta, "float32")
+        update = messages.Update(d, e.next_round, e.version, 10, {"steps": 1}, encoded.body, "float32",
+                                 encoded.specs, FED)
+        out[d] = messages.encode_update(update, KEYS[d])
+    return out
+
+
+def retained_release(e: Engine) -> tuple[messages.ModelRelease, dict[str, np.ndarray]]:
+    """What a device fetches: the manifest, then its chunks, checked against its sha256."""
+    retained = e.transport.retained
+    manifest = messages.decode_model(retained[topics.serving(FED)], 1 << 26)
+    assembly = downlink.Assembly(manifest)
+    for i in range(manifest.chunks):
+        assembly.add(i, retained[topics.serving_chunk(FED, manifest.version, i)])
+    return manifest, downlink.decode_weights(manifest, assembly.body(), None, 1 << 26)
+
+
+def test_each_version_publishes_the_served_average_for_serving(tmp_path):
+    e = engine(tmp_path, only_better=False)
+    for round_no in (1, 2):
+        fold_round(e, answers(e, 1.0, seed=round_no), round_no)
+    manifest, weights = retained_release(e)
+    assert manifest.version == e.version == 2
+    for name, served in e.served.weights.items():  # the served average, not the last global model
+        np.testing.assert_allclose(weights[name], served, rtol=1e-6)
+    assert not all(np.allclose(e.served.weights[n], e.weights[n]) for n in e.weights)
+    assert topics.serving_chunk(FED, 1, 0) not in e.transport.retained  # the previous release's chunks cleared
+    published = read_published(tmp_path)
+    assert (published["version"], published["round"], published["weights"]) == (2, 2, "served")
+
+
+def test_only_a_version_at_least_as_good_replaces_the_published_one_and_promote_overrides(tmp_path):
+    e = engine(tmp_path)
+    fold_round(e, answers(e, 1.0), 1)
+    first = read_published(tmp_path)
+    fold_round(e, answers(e, 400.0, seed=7), 2)  # huge random steps: the served model gets worse
+    assert read_published(tmp_path)["version"] == first["version"] == 1  # kept: the new one scored worse
+    request_promote(tmp_path, 2)
+    e.idle(0.0)  # a running coordinator reads the request between rounds
+    assert read_published(tmp_path)["version"] == 2 and read_published(tmp_path)["weights"] == "promoted"
+    assert retained_release(e)[0].version == 2
+
+
+def test_serving_off_publishes_nothing(tmp_path):
+    e = engine(tmp_path, publish="off")
+    fold_round(e, answers(e, 1.0), 1)
+    assert topics.serving(FED) not in e.transport.retained and read_published(tmp_path) is None
+
+
+def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
+    """Real Mosquitto, two real agents: after two rounds each device's serving store holds the
+    coordinator's serving release (the served average of version 2), bit for bit, and the Python API
+    predicts with it; the training releases themselves are no longer what the devices serve."""
+    from broker_coordinator.access.broker import COORDINATOR_USER
+    from broker_coordinator.simulation.private_broker import PrivateBroker
+    from edge_agent.serving import read_current
+    from tests.fleet import Fleet
+
+    broker = PrivateBroker(tmp_path / "broker", "rel")
+    broker.add_user(COORDINATOR_USER)
+    for d in ("dev-0", "dev-1"):
+        broker.add_user(d)
+    with broker:
+        fleet = Fleet(tmp_path, broker, "rel", ["dev-0", "dev-1"])
+        e = Engine("rel", "digits_mlp", fleet.test, RoundSettings(local_epochs=1, serve_average=0.5, round_timeout=30),
+                   store=Store(tmp_path / "coordinator"), device_keys=fleet.keys,
+                   serving=ServingSettings(only_better=False))
+        e.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            e.wait_for_devices(2, 60)
+            e.run_round(1)
+            e.run_round(2)
+            stores = [tmp_path / d / "state" / "serving" for d in ("dev-0", "dev-1")]
+
+            def serving(store):  # noqa: ANN001, ANN202
+                try:
+                    return read_current(store)
+                except Exception:  # noqa: BLE001 - not there yet
+                    return None
+            give_up = time.monotonic() + 60
+            while not all((got := serving(s)) and got[1]["version"] == 2 for s in stores):
+                assert time.monotonic() < give_up, [serving(s) and serving(s)[1] for s in stores]
+                e.idle(0.2)  # the devices settle and fetch between tasks; the coordinator keeps its session
+            import io
+
+            import torch
+            for store in stores:
+                _, meta, body = read_current(store)
+                held = torch.load(io.BytesIO(body), weights_only=True)
+                for name, served in e.served.weights.items():
+                    np.testing.assert_allclose(held[name].numpy(), served, rtol=1e-6)
+        finally:
+            e.close()
+            fleet.stop()
