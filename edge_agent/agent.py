@@ -289,7 +289,7 @@ class Agent:
         if self.serving is None or not self.serving.wants(release.version):
             return
         try:
-            decision = self.serving.offer(release, round_no, model, data.held_out, objective)
+            decision = self.serving.offer(release, round_no, model, data.held_out, objective, data.train)
         except Exception as exc:  # the store is for the device's applications: never stop training for it
             self.serving.errors += 1
             self.profile["serving_errors"] = self.serving.errors

@@ -196,12 +196,18 @@ class ServingSettings:
     group: str = ""  # local group whose members (the device's applications) may read the store, when it exists
     gate: bool = True  # before publishing a version, score it on the held-out data and keep the current one when worse
     gate_margin: float = 0.02  # gate: how much worse (in the metric's units; 0.02 = 2 accuracy points) is refused
+    personalize_steps: int = 0  # opt-in: SGD steps of a copy of each release on the device's own data before the gate
+    personalize_lr: float = 0.01  # personalize_steps: the copy's learning rate (momentum 0.9, batches of 32)
 
     def validate(self) -> None:
         if self.keep < 1:
             raise ValueError(f"keep must be at least 1 version, got {self.keep}")
         if self.gate_margin < 0:
             raise ValueError(f"gate_margin must be 0 or positive, got {self.gate_margin}")
+        if self.personalize_steps < 0 or self.personalize_steps > 100_000:
+            raise ValueError(f"personalize_steps must be 0 (off) to 100000, got {self.personalize_steps}")
+        if not 0 < self.personalize_lr < 10:
+            raise ValueError(f"personalize_lr must be positive and below 10, got {self.personalize_lr}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from models.datasets import Dataset
 from models.objectives import Objective, format_score
 
 from .config import ServingSettings
+from .personalize import personalize
 from .serving import load_model, read_current
 from .serving_store import ServingStore, StoreError
 
@@ -33,12 +34,17 @@ class Decision:
     metric: str = ""
     new_score: float | None = None
     current_score: float | None = None  # the version it replaced or kept, on the same samples
+    released_score: float | None = None  # personalized serving: the released model's score, beside its tuned copy
 
     def text(self) -> str:
         def score(value: float | None) -> str:
             return "n/a" if value is None else format_score(self.metric, value)
         if self.new_score is None:
             return f"published {self.version} (no held-out data to judge it)"
+        if self.released_score is not None:  # the tuned copy won; the versus below is the tuned one's
+            personal = f" personalized ({self.metric} {score(self.new_score)}, the release {score(self.released_score)})"
+            return ("published" if self.published else f"kept {self.current}, refused") + f" {self.version}{personal}" \
+                + (f" vs version {self.current}'s {score(self.current_score)}" if self.current_score is not None else "")
         versus = f"{self.metric} {score(self.new_score)} vs {score(self.current_score)} of version {self.current}"
         if self.published:
             return f"published {self.version}" + (f": {versus}" if self.current_score is not None else
@@ -63,14 +69,20 @@ class ServingGate:
         return version not in self.offered and not self.store.has(version) and (current is None or version > current)
 
     def offer(self, release: messages.ModelRelease, round_: int, model: torch.nn.Module, held_out: Dataset,
-              objective: Objective) -> Decision:
+              objective: Objective, train: Dataset | None = None) -> Decision:
         self.offered.add(release.version)
         current = self.store.current_version()
-        new_score = current_score = None
+        new_score = current_score = released_score = None
         if len(held_out):
             new_score = objective.evaluate(model, held_out).score
             model.train()
             current_score = self._score_current(held_out, objective) if current is not None else None
+            steps = self.settings.personalize_steps
+            if steps and train is not None and len(train):  # a tuned copy; the release itself stays as it came
+                tuned = personalize(model, train, objective, steps, self.settings.personalize_lr, seed=release.version)
+                tuned_score = objective.evaluate(tuned, held_out).score
+                if tuned_score > new_score if objective.higher_is_better else tuned_score < new_score:
+                    model, released_score, new_score = tuned, new_score, tuned_score
         elif not self._said_no_holdout:
             self._said_no_holdout = True
             log.info("serving: no held-out data ([data] holdout = 0): the gate has nothing to judge, every "
@@ -79,14 +91,16 @@ class ServingGate:
                  and (current_score - new_score if objective.higher_is_better else new_score - current_score)
                  > self.settings.gate_margin)
         if worse:
-            return Decision(release.version, False, current, objective.metric, new_score, current_score)
+            return Decision(release.version, False, current, objective.metric, new_score, current_score, released_score)
         score = None if new_score is None else {"metric": objective.metric, "value": new_score,
                                                 "count": len(held_out)}
         state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
         self.store.publish(release.version, state, {
             "round": round_, "architecture": release.arch, "fingerprint": release.fingerprint,
-            "release_sha256": release.sha256, "task": objective.task, "score": score})
-        return Decision(release.version, True, current, objective.metric, new_score, current_score)
+            "release_sha256": release.sha256, "task": objective.task, "score": score,
+            "personalized": None if released_score is None else {
+                "steps": self.settings.personalize_steps, "released_score": released_score}})
+        return Decision(release.version, True, current, objective.metric, new_score, current_score, released_score)
 
     def _score_current(self, held_out: Dataset, objective: Objective) -> float | None:
         """The current version on the same samples; None when it cannot be judged here (another
