@@ -386,7 +386,9 @@ class Agent:
         down = self.fetch.take_down_counts()  # reported once: given back if the update is not accepted
         # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
         report = {**evaluation, "model_sha": release.sha256[:16],
-                  "model_via": self.fetch.arrived_via.get(release.version, "cache")}
+                  "model_via": self.fetch.arrived_via.get(release.version, "cache"),
+                  # what the device serves and why: the coordinator's round record keeps it per device
+                  **{key: self.profile[key] for key in ("serving_current", "serving_decision") if key in self.profile}}
         self.busy = True
         self._announce()
         try:

@@ -103,7 +103,7 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
         try:
             e.wait_for_devices(2, 60)
             e.run_round(1)
-            e.run_round(2)
+            second = e.run_round(2)
             stores = [tmp_path / d / "state" / "serving" for d in ("dev-0", "dev-1")]
 
             def serving(store):  # noqa: ANN001, ANN202
@@ -123,6 +123,10 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
                 held = torch.load(io.BytesIO(body), weights_only=True)
                 for name, served in e.served.weights.items():
                     np.testing.assert_allclose(held[name].numpy(), served, rtol=1e-6)
+            # what each device served during round 2, and why, is in that round's record
+            for device in ("dev-0", "dev-1"):
+                assert second.devices[device]["serving_current"] >= 0, second.devices[device]
+                assert "published" in second.devices[device]["serving_decision"], second.devices[device]
         finally:
             e.close()
             fleet.stop()
