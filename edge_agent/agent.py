@@ -115,7 +115,6 @@ class Agent:
         self.serving = ServingGate(config.serving) if config.serving.dir else None  # [serving] dir = "": off
         if self.serving and (current := self.serving.store.current_version()) is not None:
             self.profile["serving_current"] = current
-        # the coordinator's serving releases, once it publishes them (else the training releases are served)
         self.serving_fetch = ServingFetch(self.fed, self.serving.store.current_version()) if self.serving else None
         self._judged_by: tuple[int, LocalData, Objective] | None = None  # the last task's round, data, objective
 
@@ -386,9 +385,8 @@ class Agent:
         down = self.fetch.take_down_counts()  # reported once: given back if the update is not accepted
         # which model this trained from, and how it arrived (the server's sha256 prefix of the same bytes)
         report = {**evaluation, "model_sha": release.sha256[:16],
-                  "model_via": self.fetch.arrived_via.get(release.version, "cache"),
-                  # what the device serves and why: the coordinator's round record keeps it per device
-                  **{key: self.profile[key] for key in ("serving_current", "serving_decision") if key in self.profile}}
+                  "model_via": self.fetch.arrived_via.get(release.version, "cache"),  # and what it serves, why:
+                  **{k: self.profile[k] for k in ("serving_current", "serving_decision") if k in self.profile}}
         self.busy = True
         self._announce()
         try:
