@@ -83,8 +83,9 @@ def test_serving_off_publishes_nothing(tmp_path):
 
 def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
     """Real Mosquitto, two real agents: after two rounds each device's serving store holds the
-    coordinator's serving release (the served average of version 2), bit for bit, and the Python API
-    predicts with it; the training releases themselves are no longer what the devices serve."""
+    coordinator's serving release (the served average of version 2), bit for bit; a corrupted release
+    (a chunk that fails the manifest's sha256) is refused and version 2 keeps serving; the round
+    record says what each device served."""
     from broker_coordinator.access.broker import COORDINATOR_USER
     from broker_coordinator.simulation.private_broker import PrivateBroker
     from edge_agent.serving import read_current
@@ -123,6 +124,20 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
                 held = torch.load(io.BytesIO(body), weights_only=True)
                 for name, served in e.served.weights.items():
                     np.testing.assert_allclose(held[name].numpy(), served, rtol=1e-6)
+            # a corrupted serving release (one chunk's bytes changed) is refused: the devices keep version 2
+            manifest, chunks = downlink.release(99, "digits_mlp", e.served.weights, e.settings.model_codec,
+                                                e.settings.model_chunk_bytes, e.releases.fingerprint)
+            chunks[0] = bytes(b ^ 0xFF for b in chunks[0])
+            for i, chunk in enumerate(chunks):
+                assert e.transport.publish_until(topics.serving_chunk("rel", 99, i), chunk, time.time() + 10,
+                                                 retain=True)
+            assert e.transport.publish_until(topics.serving("rel"), messages.encode("model", manifest),
+                                             time.time() + 10, retain=True)
+            while not all("model version 99 fails its sha256 check" in fleet.logs[d].read_text()
+                          for d in ("dev-0", "dev-1")):
+                assert time.monotonic() < give_up + 60, [fleet.logs[d].read_text()[-800:] for d in ("dev-0", "dev-1")]
+                e.idle(0.2)
+            assert all(read_current(s)[1]["version"] == 2 for s in stores)
             # what each device served during round 2, and why, is in that round's record
             for device in ("dev-0", "dev-1"):
                 assert second.devices[device]["serving_current"] >= 0, second.devices[device]
