@@ -30,7 +30,6 @@ log = logging.getLogger("broker_coordinator")
 class Devices:
     def __init__(self, presence: DevicePresence) -> None:
         self.presence = presence
-        self.unit = "device"
         self.sites: dict[str, Any] = {}  # a flat federation has none
 
     def subscriptions(self, fed: str) -> list[tuple[str, int]]:

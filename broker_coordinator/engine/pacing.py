@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from broker_coordinator.settings.pacing_settings import PacingSettings
 from broker_coordinator.settings.round_settings import RoundRecord
@@ -148,10 +148,3 @@ class Pacer:
             return
         # status never reads half a file; readable by the operator's status command (0644)
         atomic_write(self.dir / STATE_FILE, json.dumps(asdict(self.pace), indent=1), mode=0o644)
-
-
-def describe(pace: PaceState | None) -> dict[str, Any]:
-    """The pacer's state as `status` shows it."""
-    if pace is None:
-        return {"state": "not started"}
-    return {"state": pace.state, "why": pace.why, "wakes": pace.wakes, "since": pace.since}

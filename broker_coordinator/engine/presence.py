@@ -164,26 +164,27 @@ class SitePresence:
         return sum(count_of(p, "samples") for p in self.online.values())
 
 
-def agent_release(profile: Mapping[str, Any] | str | None) -> str:
-    """The release a device's agent says it runs (from its status profile, or the store's JSON text)."""
+def _profile(profile: Mapping[str, Any] | str | None) -> Mapping[str, Any]:
+    """A status profile, or the JSON text of one the store keeps ({} for anything else)."""
     if isinstance(profile, str):
         try:
             profile = json.loads(profile)
         except ValueError:
-            return UNKNOWN
-    value = profile.get("agent") if isinstance(profile, Mapping) else None
+            return {}
+    return profile if isinstance(profile, Mapping) else {}
+
+
+def agent_release(profile: Mapping[str, Any] | str | None) -> str:
+    """The release a device's agent says it runs (from its status profile, or the store's JSON text)."""
+    value = _profile(profile).get("agent")
     return value if isinstance(value, str) and value else UNKNOWN
 
 
 def ineligible_because(profile: Mapping[str, Any] | str | None) -> str | None:
     """Why a device's status profile (or the JSON text of one the store keeps) says it may not train
     now (`eligible` false, and its `why`), or None."""
-    if isinstance(profile, str):
-        try:
-            profile = json.loads(profile)
-        except ValueError:
-            return None
-    if not isinstance(profile, Mapping) or profile.get("eligible") is not False:
+    profile = _profile(profile)
+    if profile.get("eligible") is not False:
         return None
     why = profile.get("why")
     return why if isinstance(why, str) and why else "its own conditions (it gave no reason)"

@@ -92,7 +92,6 @@ class Sites:
             raise ValueError("a federation in sites needs at least one [sites.NAME] section")
         self.sites = dict(sites)
         self.presence = SitePresence()
-        self.unit = "site"
         self.max_partial_bytes = partial_cap(max_update_bytes)
         # site -> share of its weight it keeps (TreeSum), checkpointed with the devices' standing
         self.site_standing: dict[str, float] = {}
