@@ -32,7 +32,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
+.PHONY: serving pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -82,6 +82,9 @@ privacy: setup  # bench/results/privacy.json, privacy.md: accuracy against epsil
 
 spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
 	nice -n 10 $(BIN)/python -m bench.spool
+
+serving: setup mosquitto  # bench/results/serving.json, .md: the model at work on the devices (release to current, latency, swaps, the gate, local accuracy; about 15 minutes, resumable)
+	$(BIN)/python -m bench.serving $(SERVING_ARGS)
 
 pacing: setup  # bench/results/pacing.json, .md: a simulated day of the demo's fleet, back to back against the paced defaults (about 5 minutes)
 	nice -n 5 $(BIN)/python -m bench.pacing $(PACING_ARGS)

@@ -35,6 +35,7 @@ from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.settings.round_settings import RoundRecord
 from broker_coordinator.engine.selection import select
 from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.simulation.fleet import PROFILES
 from broker_coordinator.simulation.in_memory import fold_round
 from edge_agent.device_step import Budget, Step, device_step
@@ -85,6 +86,7 @@ class InMemoryFederation:
     data_of: Callable[[str, Dataset], Dataset] | None = None  # a device's training data (attacks change it)
     tamper: Tamper | None = None
     mirror_agent_seed: bool = False  # the agent's local shuffling seed (device/round), not device/round/seed
+    serving: ServingSettings | None = None  # [serving]: releases retained in the in-memory transport
 
     def __post_init__(self) -> None:
         self.devices = [f"dev-{i:03d}" for i in range(len(self.clients))]
@@ -93,7 +95,7 @@ class InMemoryFederation:
         self.classes = dict(zip(self.devices, self.fleet or ["pi4"] * len(self.devices)))
         self.states: dict[str, dict] = {d: {} for d in self.devices}
         self.coordinator = Engine(FED, self.arch, self.test, self.settings, seed=self.seed,
-                                       device_keys=self.keys)
+                                  device_keys=self.keys, serving=self.serving)
         self.rng = random.Random(self.seed)
         self.last_metrics: dict[str, dict] = {}
 

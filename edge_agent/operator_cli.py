@@ -27,11 +27,17 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     enroll.set_defaults(handler=run_enroll)
 
     install = sub.add_parser("install-service", help="install and enable the systemd unit",
-                             description="Install systemd/edge-agent.service for this installation and enable it. "
-                                         "Without root, prints the commands to run instead.")
+                             description="Install systemd/edge-agent.service for this installation and enable it "
+                                         "(with --serve, the prediction server's unit too). Without root, prints "
+                                         "the commands to run instead.")
     install.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the enrolled agent config")
     install.add_argument("--memory-max", default="70%", help="systemd MemoryMax for the agent (e.g. 512M, 70%%)")
     install.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
+    install.add_argument("--serve", action="store_true",
+                         help="also install edge-agent-serve.service (predictions on /run/edgefl-serve/serve.sock) "
+                              "and make the serving store readable by [serving] group: creates the group, the "
+                              "system user edge-agent and the store's directory ([serving] dir, outside the "
+                              "state directory)")
     install.set_defaults(handler=run_install)
 
     status = sub.add_parser("status", help="enrolled or not, broker reachable, last round, may it train now, "
@@ -62,7 +68,7 @@ def run_enroll(args: argparse.Namespace) -> int:
 def run_install(args: argparse.Namespace) -> int:
     from .service import ServiceError, install
     try:
-        code, text = install(args.config, args.memory_max, args.dry_run)
+        code, text = install(args.config, args.memory_max, args.dry_run, serve=args.serve)
     except ServiceError as exc:
         return _fail(str(exc))
     print(text, file=sys.stdout if code == 0 else sys.stderr)

@@ -1,5 +1,8 @@
 """`edge-agent install-service` and `edge-agent status`.
 
+With --serve, install-service also installs systemd/edge-agent-serve.service and puts the serving
+store where applications can read it (serve_service.py).
+
 The unit file is systemd/edge-agent.service from this project (installed by
 the wheel as VENV/share/edgefl/systemd/edge-agent.service), with ExecStart
 pointed at this installation and MemoryMax set for the device. The agent's
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from edgefl_protocol.persist import atomic_write
 
+from .serve_service import SERVE_UNIT_NAME, ServingSetup, ServingSetupError
+
 if TYPE_CHECKING:
     from .config import AgentConfig
 
@@ -31,6 +36,7 @@ UNIT_NAME = "edge-agent.service"
 _SOURCE_UNIT = Path(__file__).resolve().parent.parent / "systemd" / UNIT_NAME
 UNIT_TEMPLATE = _SOURCE_UNIT if _SOURCE_UNIT.exists() else Path(sys.prefix) / "share/edgefl/systemd" / UNIT_NAME
 UNIT_DEST = Path("/etc/systemd/system") / UNIT_NAME
+SERVE_TEMPLATE = UNIT_TEMPLATE.with_name(SERVE_UNIT_NAME)
 DEFAULT_MEMORY_MAX = "70%"
 _MEMORY = re.compile(r"^(\d+[KMGT]?|\d{1,3}%|infinity)$")
 
@@ -65,43 +71,60 @@ def render_unit(config: Path, memory_max: str = DEFAULT_MEMORY_MAX, template: Pa
 
 @dataclass
 class Plan:
-    unit_text: str
+    units: dict[Path, str]  # where each unit file goes -> its text
     commands: list[list[str]]
 
 
-def plan(config: Path, memory_max: str, dest: Path = UNIT_DEST) -> Plan:
-    return Plan(render_unit(config, memory_max), [
-        ["systemctl", "daemon-reload"],
-        ["systemctl", "enable", "--now", dest.name],
-    ])
+def plan(config: Path, memory_max: str, dest: Path = UNIT_DEST, serve: bool = False) -> Plan:
+    agent = render_unit(config, memory_max)
+    if not serve:
+        return Plan({dest: agent}, [["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", dest.name]])
+    try:
+        setup = ServingSetup.from_config(config)
+        template = SERVE_TEMPLATE.read_text()
+    except ServingSetupError as exc:
+        raise ServiceError(str(exc)) from None
+    except OSError:
+        raise ServiceError(f"unit template {SERVE_TEMPLATE} is missing: reinstall the edgefl wheel") from None
+    serve_dest = dest.with_name(SERVE_UNIT_NAME)
+    return Plan({dest: setup.agent_unit(agent), serve_dest: setup.serve_unit(template, exec_start_prefix())},
+                [*setup.commands(), ["systemctl", "daemon-reload"],
+                 ["systemctl", "enable", "--now", dest.name, serve_dest.name]])
 
 
-def describe(p: Plan, dest: Path, sudo: bool) -> str:
+def describe(p: Plan, sudo: bool) -> str:
     prefix = "sudo " if sudo else ""
-    lines = [f"# write {dest} (mode 0644):", *("    " + line for line in p.unit_text.rstrip().splitlines()),
-             f"{prefix}install -m 0644 <the unit above> {dest}"]
+    lines = []
+    for dest, text in p.units.items():
+        lines += [f"# write {dest} (mode 0644):", *("    " + line for line in text.rstrip().splitlines()),
+                  f"{prefix}install -m 0644 <the unit above> {dest}"]
     lines += [prefix + shlex.join(c) for c in p.commands]
     return "\n".join(lines)
 
 
-def install(config: Path, memory_max: str, dry_run: bool, dest: Path = UNIT_DEST) -> tuple[int, str]:
+def install(config: Path, memory_max: str, dry_run: bool, dest: Path = UNIT_DEST,
+            serve: bool = False) -> tuple[int, str]:
     """Return (exit code, what to print)."""
-    p = plan(config, memory_max, dest)
+    if serve and not config.exists():
+        return 1, f"{config} does not exist: enroll first with 'sudo edge-agent enroll TOKEN'"
+    p = plan(config, memory_max, dest, serve)
     if dry_run:
-        return 0, "dry run; would do:\n" + describe(p, dest, sudo=False)
+        return 0, "dry run; would do:\n" + describe(p, sudo=False)
     if os.geteuid() != 0:
         return 1, ("installing a system service needs root; run 'sudo edge-agent install-service', "
-                   "or these commands:\n" + describe(p, dest, sudo=True))
+                   "or these commands:\n" + describe(p, sudo=True))
     if not config.exists():
         return 1, f"{config} does not exist: enroll first with 'sudo edge-agent enroll TOKEN'"
     if shutil.which("systemctl") is None or not Path("/run/systemd/system").is_dir():
         return 1, "systemd is not running on this machine; start the agent with 'edge-agent run --config ...' instead"
-    atomic_write(dest, p.unit_text, 0o644)
+    for unit_dest, text in p.units.items():
+        atomic_write(unit_dest, text, 0o644)
     for command in p.commands:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             return 1, f"'{shlex.join(command)}' failed: {done.stderr.strip() or done.stdout.strip()}"
-    return 0, f"installed {dest} and started {dest.name}; check it with 'edge-agent status'"
+    names = " and ".join(d.name for d in p.units)
+    return 0, f"installed and started {names}; check it with 'edge-agent status'"
 
 
 def service_state() -> str:

@@ -137,3 +137,53 @@ def test_a_relative_config_path_is_rendered_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = service.render_unit(Path("a07/agent.toml"), command="/usr/bin/edge-agent")
     assert f"LoadCredential=agent.toml:{tmp_path}/a07/agent.toml" in text.splitlines()
+
+
+# edge-agent install-service --serve ---------------------------------------------------------------
+def agent_config(tmp_path: Path, **serving: str) -> Path:
+    from edgefl_protocol.settings import to_toml
+    path = tmp_path / "agent.toml"
+    path.write_text(to_toml({
+        "broker": {"host": "127.0.0.1", "port": 1883, "username": "pi-07", "password": "x"},
+        "device": {"id": "pi-07", "data": str(tmp_path / "data.npz"), "state_dir": str(tmp_path / "state"),
+                   "federation": "orchard"},
+        **({"serving": serving} if serving else {})}))
+    return path
+
+
+def test_install_service_serve_plans_the_store_the_group_and_both_units(tmp_path):
+    config = agent_config(tmp_path, dir=str(tmp_path / "serving"), group="edgefl-test-model")
+    p = service.plan(config, "70%", tmp_path / "edge-agent.service", serve=True)
+    agent, serve = (directives(text) for text in p.units.values())
+    assert [d.name for d in p.units] == ["edge-agent.service", "edge-agent-serve.service"]
+    assert agent["ReadWritePaths"] == [str(tmp_path / "serving")] and agent["SupplementaryGroups"] == ["edgefl-test-model"]
+    assert agent["DynamicUser"] == ["yes"] and agent["StateDirectory"] == ["edgefl-agent"]  # the state stays private
+    assert f"serve --dir {tmp_path / 'serving'} --socket /run/edgefl-serve/serve.sock --group edgefl-test-model" \
+        in serve["ExecStart"][0]
+    assert serve["ReadOnlyPaths"] == [f"-{tmp_path / 'serving'}"] and serve["SupplementaryGroups"] == ["edgefl-test-model"]
+    commands = [" ".join(c) for c in p.commands]
+    assert "groupadd --system edgefl-test-model" in commands  # the group does not exist here
+    assert f"install -d -o edge-agent -g edgefl-test-model -m 2750 {tmp_path / 'serving'}" in commands
+    assert commands[-1] == "systemctl enable --now edge-agent.service edge-agent-serve.service"
+
+
+@needs_analyze
+def test_install_service_serve_units_pass_systemd_analyze_verify(tmp_path):
+    config = agent_config(tmp_path, dir=str(tmp_path / "serving"), group="edgefl-test-model")
+    p = service.plan(config, "512M", tmp_path / "edge-agent.service", serve=True)
+    for dest, text in p.units.items():
+        text = re.sub(r"^ExecStart=\S+", f"ExecStart={sys.executable}", text, flags=re.M)  # an absolute program
+        result = verify(tmp_path, dest.name, text)
+        assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), (dest.name, result.stderr)
+
+
+@pytest.mark.parametrize("serving, says", [
+    ({}, "inside the agent's state directory"),  # the default <state_dir>/serving
+    ({"dir": ""}, '[serving] dir is "" (no serving store)'),
+    ({"dir": "/var/lib/edgefl-serving"}, "[serving] group is not set"),
+])
+def test_install_service_serve_says_what_to_set(tmp_path, serving, says):
+    config = agent_config(tmp_path, **serving)
+    result = run_module("edge_agent", "install-service", "--serve", "--dry-run", "--config", str(config))
+    assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert 'set [serving] dir = "/var/lib/edgefl-serving" and group = "edgefl-model"' in result.stderr

@@ -287,3 +287,34 @@ def test_a_device_revoked_while_a_round_waits_for_it_leaves_the_round_at_once(fe
     assert "pi-03 left the round: revoked" in text, text
     (_, second) = trained_rounds(federation.state)
     assert (second["round"], second["closed"], second["participants"]) == (2, "complete", 2), second
+
+
+def serving_version(device: str, root: Path) -> int | None:
+    """The version a device's serving store makes current (None before its first)."""
+    try:
+        return int(os.readlink(root / device / "state" / "serving" / "current"))
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_revoked_device_stops_receiving_serving_releases(federation, tmp_path):
+    """Round 1's serving release reaches all three devices; pi-03 is revoked; round 2's release
+    reaches pi-01 and pi-02, and pi-03, refused by the broker, keeps serving version 1."""
+    federation.run(rounds=1)
+    give_up = time.monotonic() + 60
+    while not all(serving_version(d, tmp_path) == 1 for d in DEVICES):
+        assert time.monotonic() < give_up, {d: serving_version(d, tmp_path) for d in DEVICES}
+        time.sleep(0.2)
+    revoked = federation.cli("devices", "revoke", "pi-03")
+    assert revoked.returncode == 0, revoked.stderr
+    pi03_log = tmp_path / "pi-03" / "agent.log"
+    while "not authorized" not in pi03_log.read_text().lower():  # the broker has closed its session
+        assert time.monotonic() < give_up + 60, pi03_log.read_text()[-2000:]
+        time.sleep(0.2)
+    federation.run(rounds=2, EDGEFL_COORDINATOR_SCHEDULE_MIN_UPDATES="2",
+                   EDGEFL_COORDINATOR_SERVING_ONLY_BETTER="false")
+    while not all(serving_version(d, tmp_path) == 2 for d in ("pi-01", "pi-02")):
+        assert time.monotonic() < give_up + 120, {d: serving_version(d, tmp_path) for d in DEVICES}
+        time.sleep(0.2)
+    assert serving_version("pi-03", tmp_path) == 1
+    assert "serving: published 2" not in pi03_log.read_text()

@@ -93,6 +93,9 @@ def add_simulate_arguments(sim: argparse.ArgumentParser) -> None:
                      help="evaluate (and keep in the checkpoint) an exponential moving average of the global "
                           "models with this decay; devices still train from the last global model; 0 = serve "
                           "the last global model (default: %(default)s)")
+    sim.add_argument("--serving", choices=["served", "last", "off"], default="off",
+                     help="publish each version the coordinator vouches for to the devices' serving stores "
+                          "(DEVICE/state/serving), as 'run' does with [serving] publish (default: %(default)s)")
     from broker_coordinator.settings.choices import AGGREGATORS
     sim.add_argument("--aggregator", choices=AGGREGATORS, default=defaults.aggregator,
                      help="the robust fold (broker_coordinator/aggregation/robust.py); centered_clip and mean stream and run "
@@ -214,7 +217,7 @@ def run_simulate(args: argparse.Namespace, given: set[str] = frozenset()) -> int
                           churn=args.churn, model=args.model, task=args.task,
                           loss=args.loss or ("cross_entropy" if args.task == "classification" else "mse"),
                           devices_dir=args.devices_dir, test_data=args.test_data, holdout=args.holdout,
-                          sites=args.sites, site_workers=args.site_workers)
+                          sites=args.sites, site_workers=args.site_workers, serving=args.serving)
     spec.tracking = tracking_settings(args)
     simulate(spec, round_settings(args, given), echo=lambda line: print(line, flush=True))
     return 0

@@ -202,6 +202,20 @@ class Cgroups:
         self._write(mem / "memory.limit_in_bytes", memory)
         return [cpu / "cgroup.procs", mem / "cgroup.procs"]
 
+    def share(self, parent: str, name: str, weight: int) -> list[Path]:
+        """A group inside `parent` (made by `limit`) with systemd's CPUWeight `weight` (1-10000, 100 the
+        default) against its siblings, under the parent's quota and memory; the procs files to join."""
+        if self.version == 2:
+            group = self.parents["unified"] / parent / name
+            self._write(group.parent / "cgroup.subtree_control", "+cpu")
+            self._mkdir(group)
+            self._write(group / "cpu.weight", str(weight))
+            return [group / "cgroup.procs"]
+        group = self.parents["cpu"] / parent / name
+        self._mkdir(group)
+        self._write(group / "cpu.shares", str(max(2, weight * 1024 // 100)))
+        return [group / "cgroup.procs", self.parents["memory"] / parent / "cgroup.procs"]
+
     def throttled_seconds(self, name: str) -> float | None:
         """CPU time the kernel withheld from the agent (v1 cpu.stat throttled_time, v2 throttled_usec)."""
         group = self.parents.get("cpu", self.parents.get("unified"))

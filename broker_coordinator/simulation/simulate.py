@@ -32,6 +32,7 @@ from broker_coordinator.reporting.report import (
 from broker_coordinator.reporting.tracking import RunTracker
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
 from broker_coordinator.simulation import fleet
 from broker_coordinator.simulation.private_broker import PrivateBroker
@@ -76,6 +77,7 @@ class SimulationSpec:
     sites: int = 0  # > 0: the devices in this many bridged sites, each with its aggregator (simulated_sites)
     site_workers: int = 1  # aggregator workers per site
     tracking: TrackingSettings | None = None  # each round to TensorBoard / MLflow (reporting/tracking.py)
+    serving: str = "off"  # [serving] publish: "served" or "last" fills each device's serving store as `run` does
 
 
 def read_partition_file(path: Path, agents: int, train_size: int) -> list:
@@ -231,7 +233,8 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
             running.push(lambda kind, exc, tb: tracker.finish(failed=True) if kind else None)
         cohort: set[str] = set()  # who the last round asked (for the fleet's late/offline accounting)
         common = dict(seed=spec.seed, store=Store(run_dir / "coordinator"), metrics=metrics,
-                      on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)), objective=objective)
+                      on_state=lambda rnd: (cohort.clear(), cohort.update(rnd.cohort)), objective=objective,
+                      serving=None if spec.serving == "off" else ServingSettings(publish=spec.serving))
         if spec.sites:
             sites = SimulatedSites(run_dir / "sites", spec.federation, model, deal(devices, spec.sites), keys,
                                    spec.site_workers)

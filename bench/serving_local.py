@@ -1,0 +1,117 @@
+"""`make serving`, on the devices' own data: what each device serves, through the agent's own gate.
+
+The headline partition (MNIST-5k, 20 devices, Dirichlet 0.1; bench/settings.py) trains through the
+shipped engine in memory (bench/inmemory.py) with the shipped defaults and `[serving]` on as `run`
+has it. Each device holds out a fifth of its samples as the agent does (`[data] holdout = 0.2`, the
+same hash of the row), trains on the rest, and after every round fetches the coordinator's serving
+release from the transport's retained messages (manifest, chunks, sha256), as an agent fetches it from
+the broker. It offers the release to its own serving store through the agent's gate
+(`edge_agent.serving_gate.ServingGate`, personalized serving on) and records the decision.
+
+At the end, on each device's held-out data: the global served model (the last release), its
+personalized copy (`edge_agent.personalize`, the steps and learning rate below), and what the gate
+serves (the store's current version, read back from disk); their means over the devices are
+`local_accuracy`. `served_worse_than_margin` counts the offers after which the store's current
+version, read back from disk, scored worse on the device's held-out data than the one it had before
+by more than the gate's margin: the gate's promise, checked from the outside.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from bench import inmemory
+from bench.algorithms import ROUND_TIMEOUT, fleet_for
+from bench.settings import headline
+from broker_coordinator.settings.round_settings import RoundSettings
+from broker_coordinator.settings.serving_settings import ServingSettings as CoordinatorServing
+from edge_agent.config import ServingSettings
+from edge_agent.personalize import personalize
+from edge_agent.serving import load_model, read_current
+from edge_agent.serving_gate import ServingGate
+from edge_agent.sources.base import held_out_mask, split
+from edgefl_protocol import downlink, messages, topics
+from models.architectures import build_model, set_weights
+from models.objectives import Objective
+
+HOLDOUT = 0.2  # the agent's [data] holdout default
+PERSONALIZE_STEPS, PERSONALIZE_LR = 20, 0.01
+MAX_BYTES = 1 << 26
+
+
+def fetch_release(sim: inmemory.InMemoryFederation) -> tuple[messages.ModelRelease, dict] | None:
+    """What a device fetches: the retained manifest, its chunks, checked against the sha256."""
+    retained = sim.coordinator.transport.retained
+    payload = retained.get(topics.serving(inmemory.FED))
+    if not payload:
+        return None
+    manifest = messages.decode_model(payload, MAX_BYTES)
+    assembly = downlink.Assembly(manifest)
+    for i in range(manifest.chunks):
+        assembly.add(i, retained[topics.serving_chunk(inmemory.FED, manifest.version, i)])
+    return manifest, downlink.decode_weights(manifest, assembly.body(), None, MAX_BYTES)
+
+
+def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: ANN001 - print-like
+    fed = headline()
+    rounds = rounds or fed.rounds
+    local = [split(c, held_out_mask("npz", 0, len(c), HOLDOUT)) for c in fed.clients]
+    settings = RoundSettings(clients_per_round=fed.clients_per_round, round_timeout=ROUND_TIMEOUT)
+    sim = inmemory.InMemoryFederation(fed.arch, [d.train for d in local], fed.test, settings, seed,
+                                      fed.clients_per_round, fleet=fleet_for(len(fed.clients), seed),
+                                      serving=CoordinatorServing())
+    objective = Objective()
+    work = Path(tempfile.mkdtemp(prefix=f"edgefl-serving-local-{seed}-"))
+    gate_settings = {d: ServingSettings(dir=str(work / d), personalize_steps=PERSONALIZE_STEPS,
+                                        personalize_lr=PERSONALIZE_LR) for d in sim.devices}
+    gates = {d: ServingGate(gate_settings[d]) for d in sim.devices}
+    data = dict(zip(sim.devices, local))
+    decisions = {"published": 0, "published_personalized": 0, "kept": 0}
+    worse, releases, started = 0, 0, time.time()
+    model = build_model(fed.arch)
+    for round_no in range(1, rounds + 1):
+        sim.round(round_no)
+        fetched = fetch_release(sim)
+        if fetched is None or not gates[sim.devices[0]].wants(fetched[0].version):
+            continue
+        releases += 1
+        release, weights = fetched
+        for device in sim.devices:
+            before = stored_score(gates[device], data[device].held_out, objective)
+            set_weights(model, weights)
+            decision = gates[device].offer(release, round_no, model, data[device].held_out, objective,
+                                           data[device].train)
+            after = stored_score(gates[device], data[device].held_out, objective)
+            if before is not None and after is not None and before - after > gate_settings[device].gate_margin:
+                worse += 1
+            key = "kept" if not decision.published else \
+                "published_personalized" if decision.released_score is not None else "published"
+            decisions[key] += 1
+        progress(f"seed {seed} round {round_no}: release {release.version}, {decisions}")
+    release, weights = fetch_release(sim)
+    set_weights(model, weights)
+    global_, personal, served = [], [], []
+    for device in sim.devices:
+        held_out, train = data[device].held_out, data[device].train
+        global_.append(objective.evaluate(model, held_out).score)
+        tuned = personalize(model, train, objective, PERSONALIZE_STEPS, PERSONALIZE_LR, seed=release.version)
+        personal.append(objective.evaluate(tuned, held_out).score)
+        served.append(stored_score(gates[device], held_out, objective))
+    mean = lambda values: round(sum(values) / len(values), 4)  # noqa: E731
+    return {"seed": seed, "rounds": rounds, "releases": releases, "last_release": release.version,
+            "global": mean(global_), "personalized": mean(personal), "served": mean(served),
+            "per_device": {"global": global_, "personalized": personal, "served": served,
+                           "held_out": [len(data[d].held_out) for d in sim.devices]},
+            "decisions": decisions, "served_worse_than_margin": worse,
+            "central_accuracy": round(objective.evaluate(model, fed.test).score, 4),
+            "seconds": round(time.time() - started, 1)}
+
+
+def stored_score(gate: ServingGate, held_out, objective: Objective) -> float | None:  # noqa: ANN001 - a Dataset
+    """The store's current version, read back from its files, on the device's held-out data."""
+    if gate.store.current_version() is None:
+        return None
+    _, meta, body = read_current(gate.store.root)
+    return objective.evaluate(load_model(meta, body), held_out).score
