@@ -45,12 +45,12 @@ from pathlib import Path
 
 import torch
 
-from edgefl_protocol import algorithms, codec, downlink, messages, signing, topics
+from edgefl_protocol import OLDEST_SCHEMA, algorithms, codec, downlink, messages, protocol, signing, topics
 from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from edgefl_protocol.version import software
-from models.architectures import ModelError, build_model, fingerprint, get_weights, resolve, set_weights
+from models.architectures import get_weights, resolve, set_weights
 from models.datasets import DatasetError
 from models.objectives import Objective, format_score
 
@@ -60,6 +60,7 @@ from .data_sources import DataSource, LocalData, check_fits, open_source
 from .delivery import Delivery
 from .device_step import Budget, agent_seed, device_step, local_settings
 from .hardware import calibrate, default_threads, probe
+from .installed_model import installed_model
 from .model_fetch import MAX_MODEL_VALUES, ModelFetch
 from .runtime import record_session
 from .serving_fetch import ServingFetch
@@ -67,6 +68,7 @@ from .serving_gate import ServingGate
 from .settlement import Settlement
 from .state import DeviceState
 from .training import Stopped
+from .upgrade import UpgradeRequired
 
 log = logging.getLogger("edge_agent")
 SPEED_SMOOTHING = 0.5  # weight of the newest measured throughput in the running estimate
@@ -112,6 +114,7 @@ class Agent:
         self.delivery = Delivery(self.session.publish_until, topics.update(self.fed, self.device), self.stopping,
                                  superseded=lambda: not self.tasks.empty())
         self.settlement = Settlement(self.state, self.delivery, self.fetch.give_back_down_counts)
+        self.upgrade = UpgradeRequired(self.state)
         self.serving = ServingGate(config.serving) if config.serving.dir else None  # [serving] dir = "": off
         if self.serving and (current := self.serving.store.current_version()) is not None:
             self.profile["serving_current"] = current
@@ -124,7 +127,7 @@ class Agent:
         profile["eligible"] = why is None  # the coordinator selects only eligible devices (presence.py)
         if why is not None:
             profile["why"] = why.text
-        return messages.encode("status", messages.Status(self.device, state, profile))
+        return messages.encode("status", messages.Status(self.device, state, profile), OLDEST_SCHEMA)
 
     def _announce(self) -> None:
         self.session.publish(topics.status(self.fed, self.device), self._status("online"), retain=True)
@@ -146,6 +149,7 @@ class Agent:
         return reason
 
     def _idle_tick(self) -> None:
+        self.upgrade.keep()
         if self.conditions.enabled and time.monotonic() >= self._next_check:
             self._next_check = time.monotonic() + CONDITIONS_EVERY
             self._recheck()
@@ -161,11 +165,15 @@ class Agent:
 
     def _on_message(self, client, msg) -> None:  # noqa: ANN001
         try:
-            if msg.topic == topics.task(self.fed, self.device):
-                self.tasks.put_nowait(messages.decode_task(msg.payload))
+            if msg.topic == topics.task(self.fed, self.device):  # from protocol 2 on, signed with our key
+                self.tasks.put_nowait(messages.decode_task(protocol.unseal(msg.payload, self.key)))
                 self.delivery.wake()  # a delivery still waiting for its receipt is superseded
             elif msg.topic == topics.receipt(self.fed, self.device):
-                self.delivery.receive(messages.decode_receipt(msg.payload))
+                payload = protocol.unseal(msg.payload, self.key)
+                if protocol.header(payload).get("kind") == "upgrade":
+                    self.upgrade.notice(protocol.decode_upgrade(payload))
+                else:
+                    self.delivery.receive(messages.decode_receipt(payload))
             elif self.serving_fetch is not None and self.serving_fetch.owns(msg.topic):
                 self.serving_fetch.on_message(client, msg.topic, msg.payload)
             else:  # model manifests, chunks and deltas
@@ -209,6 +217,7 @@ class Agent:
             log.info("round %d (attempt %d): task delivered again; already handled", task.round, task.attempt)
             return
         self.handled = self.handled[-15:] + [(task.round, task.attempt)]
+        self.upgrade.served(task.protocol)
         try:
             self._work_on(task)
         finally:
@@ -235,7 +244,7 @@ class Agent:
         try:  # what the step will need, checked before anything is spent: a task it cannot run is refused
             algorithms.get(task.algorithm)
             objective = Objective.of(task.task, task.loss)
-            model = self._installed_model(release)
+            model = installed_model(release)
             data = self._local_data(task, release.arch, objective)
             tensors = downlink.decode_weights(release, body, None, MAX_MODEL_VALUES)
             specs = codec.specs_of(get_weights(model))
@@ -275,7 +284,7 @@ class Agent:
         release, body = ready
         round_no, data, objective = self._judged_by
         try:
-            model = self._installed_model(release)
+            model = installed_model(release)
             set_weights(model, downlink.decode_weights(release, body, None, MAX_MODEL_VALUES))
         except (Rejected, ValueError, KeyError) as exc:
             log.warning("serving release %d refused: %s; the current version keeps serving", release.version, exc)
@@ -304,21 +313,6 @@ class Agent:
         if current is not None:
             self.profile["serving_current"] = current
         self.profile["serving_decision"] = decision.text()[:200]
-
-    def _installed_model(self, release: messages.ModelRelease) -> torch.nn.Module:
-        """The release's model as installed here; refused (Rejected) when this machine cannot build it
-        or builds a different one (another version of the user's package)."""
-        try:
-            model = build_model(release.arch)
-        except ModelError as exc:
-            raise Rejected("unknown_model", str(exc)) from None
-        if release.fingerprint and fingerprint(model) != release.fingerprint:
-            names = ", ".join(f"{n} {tuple(p.shape)}" for n, p in list(model.named_parameters())[:3])
-            raise Rejected("model_mismatch", f"the installed {release.arch} ({names}, ...) differs from the "
-                                             f"coordinator's (fingerprint {fingerprint(model)[:12]} vs "
-                                             f"{release.fingerprint[:12]}): install the same version of the "
-                                             "model's package here and on the coordinator")
-        return model
 
     def _local_data(self, task: messages.Task, arch: str, objective: Objective) -> LocalData:
         """This round's local data (the spool source reads what is new), checked against the model."""
@@ -359,7 +353,7 @@ class Agent:
         report = messages.EvalReport(self.device, task.round, task.attempt, task.model_version,
                                      str(evaluation["eval_metric"]), float(evaluation["eval_score"]),
                                      float(evaluation["eval_loss"]), int(evaluation["eval_count"]), self.fed)
-        self.delivery.deliver(task, messages.encode_report(report, self.key or b""), "evaluation report")
+        self.delivery.deliver(task, messages.encode_report(report, self.key or b"", task.protocol), "evaluation report")
 
     def _another_task(self, task: messages.Task, release: messages.ModelRelease) -> None:
         """A federation's new task (another network, or another algorithm): what this device kept for
@@ -426,4 +420,4 @@ class Agent:
 
     def _refuse(self, task: messages.Task, why: Rejected) -> None:
         refusal = messages.Refusal(self.device, task.round, task.attempt, why.reason, why.detail[:200], self.fed)
-        self.delivery.deliver(task, messages.encode_refusal(refusal, self.key or b""), "refusal")
+        self.delivery.deliver(task, messages.encode_refusal(refusal, self.key or b"", task.protocol), "refusal")

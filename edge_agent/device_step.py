@@ -129,6 +129,6 @@ def device_step(task: messages.Task, model: torch.nn.Module, train: Dataset, sta
     encoded = codec.encode(delta, task.codec, old_residual, rounding)
     update = messages.Update(device, task.round, task.model_version, num_samples, metrics, encoded.body,
                              encoded.codec, encoded.specs, federation, task.attempt)
-    payload = messages.encode_update(update, key)
+    payload = messages.encode_update(update, key, task.protocol)  # answered in the task's protocol
     sent = Sent(task, payload, algorithm.name, rule, before, delta, encoded, old_residual, dict(down or {}), claims)
     return Step(sent, result, settings.epochs, epochs_reason)

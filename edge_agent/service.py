@@ -175,6 +175,8 @@ def status(config_path: Path, timeout: float = 5.0) -> tuple[int, list[str]]:
     if isinstance(verdict, dict) and verdict.get("kind"):
         lines.append(f"last verdict: round {verdict.get('round')}: {verdict['kind']}"
                      + (f" ({verdict['detail']})" if verdict.get("detail") else ""))
+    if upgrade := state.get("upgrade_required"):  # the coordinator's notice (edge_agent/upgrade.py)
+        lines.append(f"upgrade:    required: {upgrade}")
     lines += conditions_lines(config)
     lines.append(f"service:    {service_state()}")
     return (0 if reachable else 1), lines

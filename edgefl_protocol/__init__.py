@@ -6,4 +6,5 @@ federated algorithms, each one module holding its client rule and its server
 rule side by side (`algorithms`).
 """
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest protocol version this release speaks (`protocol`: what changed, the policy)
+OLDEST_SCHEMA = 1  # the oldest one it still speaks: the previous release's

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import msgpack
 import numpy as np
 
-from . import codec, messages
+from . import OLDEST_SCHEMA, codec, messages
 from .errors import Rejected
 
 EXTRA_PREFIX = "extra."  # the server rule's tensors (algorithms.base.EXTRA_PREFIX)
@@ -135,7 +135,7 @@ class Broadcast:
         tensors = apply(self.tensors, delta, sum(a.size for a in self.tensors.values()) + sum(
             np.size(target[n]) for n in target if n.startswith(EXTRA_PREFIX)))
         delta.sha256 = tensors_sha256(tensors)
-        self.deltas[version], self.bases[version] = messages.encode("delta", delta), self.sha256
+        self.deltas[version], self.bases[version] = messages.encode("delta", delta, OLDEST_SCHEMA), self.sha256
         self.tensors, self.version, self.sha256 = tensors, version, delta.sha256
         for old in [v for v in self.deltas if v <= version - self.chain]:
             del self.deltas[old], self.bases[old]

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from . import SCHEMA_VERSION
+from . import OLDEST_SCHEMA
 from .errors import Rejected
 from .messages import typed_field, unpack
 from .topics import check_name
@@ -131,7 +131,9 @@ class EnrollAnswer:
 
 
 def encode(kind: str, message: EnrollRequest | EnrollAnswer) -> bytes:
-    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **asdict(message)}, use_bin_type=True)
+    # the oldest protocol: a device of any release this one serves enrolls, and an agent enrolls with a coordinator
+    # of the previous release
+    return msgpack.packb({"schema": OLDEST_SCHEMA, "kind": kind, **asdict(message)}, use_bin_type=True)
 
 
 def decode_request(data: bytes) -> EnrollRequest:

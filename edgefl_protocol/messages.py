@@ -1,8 +1,12 @@
 """Message schemas. Every message is one msgpack map:
 
-    {"schema": 1, "kind": "task" | "update" | "refusal" | "report" | "receipt" | "model" | "delta" | "status",
+    {"schema": <protocol version>, "kind": "task" | "update" | "refusal" | "report" | "receipt" | "model" | "delta" | "status",
      ...header fields...,
      "body": <bytes or absent>}
+
+`schema` is the protocol version the message is written in (`protocol` says which versions this
+release speaks and what differs between them); a reader refuses a version it does not speak, with
+its reason.
 
 Tensors ride in `body` as separately encoded bytes (see `codec`), described
 by the header's `codec` and `specs`. An update is signed as a whole (see
@@ -22,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from . import SCHEMA_VERSION, signing
+from . import OLDEST_SCHEMA, SCHEMA_VERSION, signing
 from .errors import Rejected
 from .topics import check_name
 
@@ -48,6 +52,7 @@ class Task:
     loss: str = "cross_entropy"  # the loss to train with: cross_entropy | mse | mae
     evaluate: bool = False  # evaluate the received model on the held-out slice first (metrics eval_*)
     train: bool = True  # False: an evaluation-only round; answer with a `report`, no update
+    protocol: int = field(default=SCHEMA_VERSION, metadata={"wire": False})  # the version it came in: answer in it
 
 
 @dataclass
@@ -107,6 +112,8 @@ class Receipt:
     # vouches that it never accepted it. "" from a coordinator that predates verdicts.
     verdict: str = ""
     scale: float = 1.0  # clipped: the multiple of its delta the device commits (left_out: 0)
+    protocol: int = field(default=SCHEMA_VERSION, metadata={"wire": False})
+
 
 
 @dataclass
@@ -156,11 +163,15 @@ class Status:
     profile: dict[str, Scalar] = field(default_factory=dict)
 
 
-def encode(kind: str, message: Any) -> bytes:
+SPOKEN = range(OLDEST_SCHEMA, SCHEMA_VERSION + 1)
+ANY_VERSION = ("upgrade",)  # kinds every release reads in any version (protocol.UpgradeNotice)
+
+
+def encode(kind: str, message: Any, protocol: int = SCHEMA_VERSION) -> bytes:
     # shallow: no message nests a dataclass, and asdict's deep copy of every dict and list cost the
-    # coordinator about 20 us per receipt
-    body = {f.name: getattr(message, f.name) for f in fields(message)}
-    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **body}, use_bin_type=True)
+    # coordinator about 20 us per receipt; fields marked wire=False (the version a message came in) stay home
+    body = {f.name: getattr(message, f.name) for f in fields(message) if f.metadata.get("wire", True)}
+    return msgpack.packb({"schema": protocol, "kind": kind, **body}, use_bin_type=True)
 
 
 def unpack(data: bytes, kind: str, max_bytes: int, also: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -173,8 +184,12 @@ def unpack(data: bytes, kind: str, max_bytes: int, also: tuple[str, ...] = ()) -
         raise Rejected("malformed", f"{kind} message is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(obj, dict):
         raise Rejected("malformed", f"{kind} message must be a map")
-    if obj.get("schema") != SCHEMA_VERSION:
-        raise Rejected("schema", f"schema version {obj.get('schema')!r} is not {SCHEMA_VERSION}")
+    version = obj.get("schema")
+    if version not in SPOKEN and not (obj.get("kind") in ANY_VERSION and isinstance(version, int)):
+        raise Rejected("protocol", f"a {kind} message of protocol version {version!r}: this release speaks "
+                                   f"{OLDEST_SCHEMA} to {SCHEMA_VERSION}; the side that sent it is "
+                                   f"{'newer' if isinstance(version, int) and version > SCHEMA_VERSION else 'older'}"
+                                   f" (upgrading: docs/OPERATOR.md)")
     if obj.get("kind") != kind and obj.get("kind") not in also:
         raise Rejected("schema", f"expected a {kind} message, got kind {obj.get('kind')!r}")
     return obj
@@ -229,6 +244,7 @@ def decode_task(data: bytes, max_bytes: int = 65536) -> Task:
         broadcast=_scalars(obj, "broadcast"),
         codec=typed_field(obj, "codec", str),
         attempt=_attempt(obj),
+        protocol=obj["schema"],
         task=_optional(obj, "task", str, "classification"),
         loss=_optional(obj, "loss", str, "cross_entropy"),
         evaluate=_optional(obj, "evaluate", bool, False),
@@ -241,17 +257,17 @@ def _optional(obj: dict[str, Any], name: str, types: type, default: Any) -> Any:
     return typed_field(obj, name, types) if name in obj else default
 
 
-def encode_update(update: Update, key: bytes) -> bytes:
-    """The update as it goes on the wire: signed with the device's own key."""
-    return signing.sign(encode("update", update), key)
+def encode_update(update: Update, key: bytes, protocol: int = SCHEMA_VERSION) -> bytes:
+    """The update as it goes on the wire: signed with the device's own key, in the task's protocol."""
+    return signing.sign(encode("update", update, protocol), key)
 
 
-def encode_refusal(refusal: Refusal, key: bytes) -> bytes:
-    return signing.sign(encode("refusal", refusal), key)
+def encode_refusal(refusal: Refusal, key: bytes, protocol: int = SCHEMA_VERSION) -> bytes:
+    return signing.sign(encode("refusal", refusal, protocol), key)
 
 
-def encode_report(report: EvalReport, key: bytes) -> bytes:
-    return signing.sign(encode("report", report), key)
+def encode_report(report: EvalReport, key: bytes, protocol: int = SCHEMA_VERSION) -> bytes:
+    return signing.sign(encode("report", report, protocol), key)
 
 
 Answer = Update | Refusal | EvalReport
@@ -328,7 +344,8 @@ def decode_receipt(data: bytes, max_bytes: int = 4096) -> Receipt:
                    accepted=typed_field(obj, "accepted", bool),
                    reason=_string(obj, "reason"), detail=typed_field(obj, "detail", str),
                    verdict=_optional(obj, "verdict", str, "")[:MAX_STRING],
-                   scale=_scale(_optional(obj, "scale", (int, float), 1.0)))
+                   scale=_scale(_optional(obj, "scale", (int, float), 1.0)), protocol=obj["schema"])
+
 
 
 def _scale(value: float) -> float:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from . import SCHEMA_VERSION
+from . import OLDEST_SCHEMA, SCHEMA_VERSION
 
-PROTOCOLS = (SCHEMA_VERSION,)  # the message schemas this release reads and writes
+PROTOCOLS = tuple(range(OLDEST_SCHEMA, SCHEMA_VERSION + 1))  # the protocol versions this release speaks
 UNKNOWN = "unknown"  # what the coordinator calls an agent that does not say (0.1.0 and earlier)
 
 

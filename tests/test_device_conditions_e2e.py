@@ -19,7 +19,7 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from broker_coordinator.simulation.processes import stop_processes
 from broker_coordinator.storage.store import Store
-from edgefl_protocol import messages, signing, topics
+from edgefl_protocol import messages, protocol, signing, topics
 from edgefl_protocol.settings import to_toml
 from edgefl_protocol.transport import connect, make_client
 from models import datasets, partition
@@ -137,7 +137,8 @@ def show_why(broker: PrivateBroker, tmp_path, configs: dict, keys: dict[str, byt
     try:
         recorder.subscribe(topics.update(FED, "dev-1"))
         task = messages.Task(round=2, model_version=1, deadline=time.time() + 20, algorithm="fedavg")
-        client.publish(topics.task(FED, "dev-1"), messages.encode("task", task), qos=1).wait_for_publish(5)
+        sealed = protocol.seal("task", task, protocol.SPOKEN[-1], keys["dev-1"])  # signed, as the coordinator does
+        client.publish(topics.task(FED, "dev-1"), sealed, qos=1).wait_for_publish(5)
         wait_until(lambda: recorder.messages, 30, "dev-1's answer")
         answer = messages.decode_answer(recorder.messages[0][1], 65536, keys["dev-1"], "dev-1")
     finally:

@@ -15,7 +15,7 @@ def status(device: str, **profile) -> bytes:
 
 def test_an_agent_reports_its_release_and_protocols_as_a_status_profile_holds_them():
     mine = software()
-    assert mine["agent"] == release() and mine["protocols"] == str(SCHEMA_VERSION) and SCHEMA_VERSION in PROTOCOLS
+    assert mine["agent"] == release() and mine["protocols"] == "1,2" and PROTOCOLS == (1, SCHEMA_VERSION)
     assert all(isinstance(v, str) and v for v in mine.values())
     decoded = messages.decode_status(status("pi-01", **mine))  # what the coordinator reads back
     assert decoded.profile["agent"] == release()

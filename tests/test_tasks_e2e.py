@@ -17,7 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,20 +80,22 @@ class Federation:
         return {d.name: d.signing_key for d in registry.devices() if d.state == ACTIVE}
 
 
-@pytest.fixture
-def federation(tmp_path) -> Iterator[Federation]:
+def start_federation(tmp_path: Path, devices: tuple[str, ...] = DEVICES,
+                     start_agent: Callable[[str, Path], subprocess.Popen] | None = None) -> Federation:
     """Mosquitto, a coordinator config (logreg60, FedAvg, one epoch, rounds back to back, every device
-    in every round), three enrolled devices and their agents."""
+    in every round), the devices enrolled and their agents started (`start_agent(device, config)`,
+    default this checkout's agent). Stop it with `stop_federation`."""
     server = start_server(tmp_path / "server")
     fed = Federation(server)
     try:
         text = server.config_path.read_text().replace('model = "digits_mlp"', 'model = "logreg60"')
-        text = text.replace("[rounds]", "[rounds]\nlocal_epochs = 1\nmin_updates = 3\nclients_per_round = 0")
+        text = text.replace("[rounds]", f"[rounds]\nlocal_epochs = 1\nmin_updates = {len(devices)}\n"
+                                        "clients_per_round = 0")
         server.config_path.write_text(text + "\n[pacing]\ninterval = 0\npatience = 0\n")
         x, y = synthetic(200, seed=0)
         np.savez(server.root / "test.npz", x=x, y=y)
         registry = ops.open_registry(server.config)
-        for i, device in enumerate(DEVICES):
+        for i, device in enumerate(devices):
             _, token, _ = ops.add_device(server.config, device)
             password = f"{device}-own-password"
             registry.activate(device, token.token_id, hash_password(password))  # what the desk does on enroll
@@ -106,14 +108,29 @@ def federation(tmp_path) -> Iterator[Federation]:
                 "device": {"id": device, "data": str(home / "data.npz"), "state_dir": str(home / "state"),
                            "federation": FEDERATION, "threads": 1, "signing_key": token.signing_key}}))
         ops.apply(server.config, registry)  # the broker's files from the registry, and a reload
-        for device in DEVICES:
+        for device in devices:
             home = tmp_path / device
-            fed.agents.append(spawn(["-m", "edge_agent", "run", "--config", str(home / "agent.toml")],
+            fed.agents.append(start_agent(device, home / "agent.toml") if start_agent else
+                              spawn(["-m", "edge_agent", "run", "--config", str(home / "agent.toml")],
                                     home / "agent.log"))
+        return fed
+    except BaseException:
+        stop_federation(fed)
+        raise
+
+
+def stop_federation(fed: Federation) -> None:
+    stop_processes(fed.agents)
+    stop_server(fed.server)
+
+
+@pytest.fixture
+def federation(tmp_path) -> Iterator[Federation]:
+    fed = start_federation(tmp_path)
+    try:
         yield fed
     finally:
-        stop_processes(fed.agents)
-        stop_server(server)
+        stop_federation(fed)
 
 
 def trained_rounds(state: Path) -> list[dict]:

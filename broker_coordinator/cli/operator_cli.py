@@ -199,19 +199,23 @@ def run_list(args: argparse.Namespace) -> int:
     releases = Counter(agent_release(r.profile) for r in rows if r.online == "online")
     if releases:  # the fleet's agent releases ("unknown": 0.1.0, which does not say)
         print("agent releases online: " + ", ".join(f"{v} x{n}" for v, n in sorted(releases.items())))
-    waiting = not_eligible(rows)
+    waiting = not_eligible(rows, config.federation.min_protocol)
     if waiting:
-        print("not eligible to train now, by their owners' [conditions] (edge-agent status on the device says more):")
+        print("not eligible to train now, by their owners' [conditions] or their agent's protocol "
+              "(edge-agent status on the device says more):")
         print("\n".join(f"  {name}: {why}" for name, why in waiting))
     if note:
         print(f"note: {note}")
     return 0
 
 
-def not_eligible(rows) -> list[tuple[str, str]]:  # noqa: ANN001 - DeviceRows
-    """(device, why) for the online devices whose status says they may not train now."""
+def not_eligible(rows, min_protocol: int = 1) -> list[tuple[str, str]]:  # noqa: ANN001 - DeviceRows
+    """(device, why) for the online devices whose status says they may not train now, or whose agent
+    speaks no protocol version the coordinator serves."""
     from broker_coordinator.engine.presence import ineligible_because
-    return [(r.device.name, why) for r in rows if r.online == "online" and (why := ineligible_because(r.profile))]
+    from edgefl_protocol.protocol import serves
+    return [(r.device.name, why) for r in rows
+            if r.online == "online" and (why := ineligible_because(r.profile, serves(min_protocol)))]
 
 
 def run_broker_config(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from broker_coordinator.cli.task_start import begin_task, connect_task, skip_att
 from broker_coordinator.engine.loop import Engine, record_dict
 from broker_coordinator.engine.pacing import Pacer, read_pace, request_resume
 from broker_coordinator.engine.presence import agent_release, ineligible_because
+from edgefl_protocol.protocol import serves
 from broker_coordinator.engine.serving import read_published
 from broker_coordinator.engine.private_rounds import BudgetSpent
 from broker_coordinator.engine.rounds import RoundFailed
@@ -54,7 +55,7 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     coordinator = Engine(fed.name, fed.model, test_set, config.rounds, seed=fed.seed,
                        store=Store(config.storage.state_dir, config.storage.keep_checkpoints),
                        metrics=metrics, device_keys=keys, root_set=root_set, objective=objective, sites=sites,
-                       serving=config.serving)
+                       serving=config.serving, min_protocol=fed.min_protocol)
     tracker = RunTracker.start(config.tracking, fed.name, {name: getattr(config, name) for name in (
         "federation", "broker", "rounds", "storage", "enrollment", "metrics", "sites")}, metrics)  # no secrets: flatten
     stop = lambda *_: coordinator.stopping.set()  # noqa: E731
@@ -223,7 +224,8 @@ def status(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> in
         unjudged = f", other accepted answers {d['unjudged']}" if d["unjudged"] else ""
         epsilon = _device_epsilon(d.get("profile"))
         state = "revoked" if d["device"] in revoked else "online " if d["online"] else "offline"
-        why = ineligible_because(d.get("profile")) if d["online"] and d["device"] not in revoked else None
+        why = (ineligible_because(d.get("profile"), serves(config.federation.min_protocol))
+               if d["online"] and d["device"] not in revoked else None)
         echo(f"  {d['device']:<24} {state}  last seen {seen}  "
              f"rounds folded {d['folded']}, clipped {d['clipped']}, left out {d['left_out']}{unjudged}"
              + (f", its own DP-SGD epsilon {epsilon:.4g}" if epsilon is not None else "")

@@ -87,11 +87,13 @@ class Devices:
     def send_tasks(self, engine: Engine, rnd: Round, task: messages.Task, deadline: float) -> list[str]:
         """Every task is confirmed by the broker (PUBACK), retried across reconnects; one never sent is a
         device that cannot answer, and the log says which."""
-        payload = messages.encode("task", task)
         # after the deadline the retained status says whether it is still training (busy)
         self.presence.tasked(rnd.cohort, rnd.number, deadline)
-        unsent = engine.transport.publish_all([(topics.task(engine.fed, d), payload) for d in sorted(rnd.cohort)],
+        wire = engine.intake.wire  # each device's task in the protocol version it speaks
+        sealed = [(topics.task(engine.fed, d), wire.seal(d, "task", task)) for d in sorted(rnd.cohort)]
+        unsent = engine.transport.publish_all([(topic, payload) for topic, payload in sealed if payload is not None],
                                               min(deadline, time.time() + 60))
+        unsent += [topic for topic, payload in sealed if payload is None]
         for topic in unsent:
             log.error("round %d: the task for %s could not be published", rnd.number, topic.split("/")[3])
         return unsent
@@ -138,6 +140,7 @@ class Devices:
         for device in chosen:
             attempt = schedule.ticket(engine, device, buffer, deadline)
             task = engine.task(buffer.number, attempt, deadline, evaluate=engine.evaluate_devices)
-            payloads.append((topics.task(engine.fed, device), messages.encode("task", task)))
+            if (payload := engine.intake.wire.seal(device, "task", task)) is not None:
+                payloads.append((topics.task(engine.fed, device), payload))
         for topic in engine.transport.publish_all(payloads, min(deadline, time.time() + 60)):
             log.error("version %d: the task for %s could not be published", buffer.number, topic.split("/")[3])

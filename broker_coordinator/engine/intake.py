@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from broker_coordinator.aggregation.robust import l2_norm
 from broker_coordinator.aggregation.trust import SampleWeights
+from broker_coordinator.engine.device_wire import DeviceWire
 from broker_coordinator.engine.presence import DevicePresence
 from broker_coordinator.engine.rounds import Round
 from broker_coordinator.engine.verdicts import LEFT_OUT, NOT_FOLDED, REPLAY_ROUNDS, Verdict, Verdicts
@@ -104,6 +105,9 @@ class UpdateIntake:
         self.previous_keys: dict[str, bytes] = {}  # device -> its key before a rotation (`rekey`)
         self.verdicts, self.metrics, self.store = verdicts, metrics, store
         self.send = send  # (topic, payload): how receipts go out
+        # receipts (and tasks, topologies' send_tasks) in the protocol version each device speaks
+        self.wire = DeviceWire(fed, lambda device: self.keys.get(device), presence.serves, send)
+        presence.on_online = self.wire.heard
         self.released_sha = released_sha  # version -> sha256 of its release (empty at a site)
         self.closed_at = closed_at  # round -> when it closed (shared with the schedule's freshness)
         self.journal = journal  # every verdict, written before its receipt: taken back if its round is never saved
@@ -281,7 +285,8 @@ class UpdateIntake:
             receipt = messages.Receipt(*answer, True, "", verdict.detail[:1000], verdict.kind, verdict.scale)
             if self.journal is not None and verdict.kind:
                 self.journal.given(answer[0], answer[1], device, verdict.kind)
-        self.send(topics.receipt(self.fed, device), messages.encode("receipt", receipt))
+        if (payload := self.wire.seal(device, "receipt", receipt)) is not None:
+            self.send(topics.receipt(self.fed, device), payload)
 
     def _remembers(self, round_no: int) -> bool:
         """Whether every update accepted for `round_no` is still in the replay guard: a round this

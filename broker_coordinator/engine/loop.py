@@ -51,7 +51,7 @@ from broker_coordinator.engine.buffered import BufferedVersions
 from broker_coordinator.engine.flat import Devices
 from broker_coordinator.engine.intake import Terms, UpdateIntake
 from broker_coordinator.engine.presence import DevicePresence
-from broker_coordinator.engine.private_rounds import PrivateRounds, uplink_advice
+from broker_coordinator.engine.private_rounds import private_rounds_for
 from broker_coordinator.engine.records import RoundRecords, record_row
 from broker_coordinator.engine.releases import ModelReleases
 from broker_coordinator.engine.rounds import Round, RoundFailed, RoundState
@@ -66,7 +66,7 @@ from broker_coordinator.settings.round_settings import RoundRecord, RoundSetting
 from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
 from broker_coordinator.storage.verdict_journal import VerdictJournal
-from edgefl_protocol import algorithms, codec, delta_downlink, messages, topics
+from edgefl_protocol import OLDEST_SCHEMA, algorithms, codec, delta_downlink, messages, protocol, topics
 from models.architectures import build_model, fingerprint, get_weights, set_weights
 from models.datasets import Dataset
 from models.objectives import Evaluation, Objective
@@ -81,7 +81,8 @@ class Engine:
                  on_state: Callable[[Round], None] | None = None,
                  device_keys: Mapping[str, bytes] | None = None, root_set: Dataset | None = None,
                  objective: Objective = Objective(), sites: Mapping[str, SiteSpec] | None = None,
-                 transport: Transport | None = None, serving: ServingSettings | None = None) -> None:
+                 transport: Transport | None = None, serving: ServingSettings | None = None,
+                 min_protocol: int = OLDEST_SCHEMA) -> None:
         settings.validate()
         if sites is not None:
             composition.check(settings, "sites")
@@ -133,7 +134,7 @@ class Engine:
         self.radius = NormBound(settings.norm_bound or 1.5)
         self.consensus = Consensus(settings.kinship, settings.agreement_floor)  # standing by agreement
         keys = dict(device_keys or {})
-        self.privacy = self._private_rounds(len(keys))
+        self.privacy = private_rounds_for(settings, len(keys))
 
         # the parts the loop holds, and its two choices
         closed_at: dict[int, float] = {}  # round -> when it closed (the intake's and the schedule's)
@@ -147,7 +148,8 @@ class Engine:
         terms = Terms(settings, objective, self.server_rule, self.algorithm.name, self.specs, self.extra_specs,
                       self.sample_weights)
         self.journal = VerdictJournal(store.dir) if store else None
-        self.intake = UpdateIntake(self.fed, terms, keys, DevicePresence(store, self.metrics),
+        self.intake = UpdateIntake(self.fed, terms, keys, DevicePresence(store, self.metrics,
+                                                                         serves=protocol.serves(min_protocol)),
                                    self.schedule.freshness, self.verdicts, self.metrics, store,
                                    lambda topic, payload: self.transport.publish(topic, payload),
                                    self.releases.sha, closed_at, self.journal)
@@ -161,20 +163,6 @@ class Engine:
                                        store.dir if store else None) if serving is not None else None
         if store:
             self._resume(store)
-
-    def _private_rounds(self, enrolled: int) -> PrivateRounds | None:
-        """[privacy] mode = "central": a stage that replaces the round's fold by the private mean, and says so."""
-        s = self.settings
-        if not s.privacy.on:
-            return None
-        privacy = PrivateRounds(s.privacy, s.privacy.population or enrolled, s.clients_per_round,
-                                s.buffer_size if s.mode == "buffered" else 0)
-        log.info("[privacy] mode = \"central\": every version is the private mean of updates clipped to C, "
-                 "noised once, in place of [fold] aggregator = %r and weighting = %r: a robust fold's or a "
-                 "weighted mean's sensitivity to one device is not bounded by C", s.aggregator, s.weighting)
-        if advice := uplink_advice(s.codec):
-            log.warning(advice)
-        return privacy
 
     def _resume(self, store: Store) -> None:
         ckpt = store.recover_checkpoint()

@@ -7,7 +7,9 @@ done with that round, or the round's deadline has passed. Only devices the
 registry admits are ever selected, since anyone enrolled could leave a status. A device whose
 owner's conditions keep it from training now (hours, load, temperature, CPU-seconds a day:
 edge_agent/conditions.py) says `eligible: false` and `why` in its status and is not selected;
-a status without the key (an agent of the previous release) is eligible.
+a status without the key (an agent of the previous release) is eligible. A device whose agent speaks
+no protocol version the coordinator serves (`edgefl_protocol.protocol`) is not selected either; the
+intake's `DeviceWire` hears each online status and tells such a device, once, what to install.
 
 In a federation in sites the centre's units are sites: `SitePresence` reads the
 status each site's leader publishes (its online and eligible device counts).
@@ -24,9 +26,9 @@ from typing import Any
 
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.storage.store import Store
-from edgefl_protocol import messages
+from edgefl_protocol import messages, protocol
 from edgefl_protocol.errors import Rejected
-from edgefl_protocol.version import UNKNOWN
+from edgefl_protocol.version import UNKNOWN, release
 
 log = logging.getLogger("broker_coordinator")
 PRESENCE_FLUSH = 1.0  # seconds a buffered status waits at most while messages keep arriving
@@ -37,8 +39,10 @@ Admission = Callable[[str], "tuple[str, str] | None"]
 
 
 class DevicePresence:
-    def __init__(self, store: Store | None, metrics: Metrics, admission: Admission | None = None) -> None:
-        self.store, self.metrics, self.admission = store, metrics, admission
+    def __init__(self, store: Store | None, metrics: Metrics, admission: Admission | None = None,
+                 serves: tuple[int, ...] = protocol.SPOKEN) -> None:
+        self.store, self.metrics, self.admission, self.serves = store, metrics, admission, serves
+        self.on_online: Callable[[str, dict[str, Any]], Any] | None = None  # each online status (DeviceWire.heard)
         self.online: dict[str, dict[str, Any]] = {}
         self.pending_until: dict[str, float] = {}  # tasked devices that have not answered yet
         self.pending_round: dict[str, int] = {}
@@ -60,6 +64,8 @@ class DevicePresence:
             return
         if status.state == "online":
             self.online[device] = dict(status.profile)
+            if self.on_online is not None:
+                self.on_online(device, self.online[device])
             last_round = status.profile.get("last_round", 0)
             if (not status.profile.get("busy") and isinstance(last_round, int)
                     and last_round >= self.pending_round.get(device, 0)):
@@ -100,12 +106,12 @@ class DevicePresence:
         now = time.time()
         self.pending_until = {d: t for d, t in self.pending_until.items() if t > now}
         return [d for d, profile in self.online.items()
-                if not profile.get("busy") and ineligible_because(profile) is None
+                if not profile.get("busy") and ineligible_because(profile, self.serves) is None
                 and d not in self.pending_until and self._is_admitted(d)]
 
     def not_eligible(self) -> dict[str, str]:
         """Online devices whose own conditions keep them from training now, with why."""
-        return {d: why for d, profile in self.online.items() if (why := ineligible_because(profile))}
+        return {d: why for d, profile in self.online.items() if (why := ineligible_because(profile, self.serves))}
 
     def eligible_devices(self) -> int:
         return len(self.eligible())
@@ -180,10 +186,16 @@ def agent_release(profile: Mapping[str, Any] | str | None) -> str:
     return value if isinstance(value, str) and value else UNKNOWN
 
 
-def ineligible_because(profile: Mapping[str, Any] | str | None) -> str | None:
+def ineligible_because(profile: Mapping[str, Any] | str | None,
+                       serves: tuple[int, ...] = protocol.SPOKEN) -> str | None:
     """Why a device's status profile (or the JSON text of one the store keeps) says it may not train
-    now (`eligible` false, and its `why`), or None."""
+    now (`eligible` false, and its `why`), or that its agent speaks no protocol version `serves` holds;
+    None when it may."""
     profile = _profile(profile)
+    speaks = protocol.announced(profile)
+    if protocol.choose(speaks, serves) is None:
+        return (f"its agent speaks protocol {','.join(map(str, speaks))}, the coordinator serves "
+                f"{','.join(map(str, serves))}: install {protocol.what_to_install(speaks, serves, release())} on it")
     if profile.get("eligible") is not False:
         return None
     why = profile.get("why")

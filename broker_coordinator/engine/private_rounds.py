@@ -38,6 +38,7 @@ from broker_coordinator.aggregation.privacy import (
 from broker_coordinator.aggregation.private_partials import PrivateTreeSum, SitePrivacy
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.settings.privacy_settings import PrivacySettings
+from broker_coordinator.settings.round_settings import RoundSettings
 from edgefl_protocol import codec
 
 log = logging.getLogger("broker_coordinator")
@@ -186,3 +187,17 @@ class PrivateRounds:
     def load_state(self, state: dict[str, Any]) -> None:
         self.ledger.load_state(state)
         self.clip.load_state(state)
+
+
+def private_rounds_for(settings: RoundSettings, enrolled: int) -> PrivateRounds | None:
+    """[privacy] mode = "central": a stage that replaces the round's fold by the private mean, and says so."""
+    if not settings.privacy.on:
+        return None
+    privacy = PrivateRounds(settings.privacy, settings.privacy.population or enrolled, settings.clients_per_round,
+                            settings.buffer_size if settings.mode == "buffered" else 0)
+    log.info("[privacy] mode = \"central\": every version is the private mean of updates clipped to C, "
+             "noised once, in place of [fold] aggregator = %r and weighting = %r: a robust fold's or a "
+             "weighted mean's sensitivity to one device is not bounded by C", settings.aggregator, settings.weighting)
+    if advice := uplink_advice(settings.codec):
+        log.warning(advice)
+    return privacy

@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from broker_coordinator.engine.rounds import RoundFailed
-from edgefl_protocol import downlink, messages, topics
+from edgefl_protocol import OLDEST_SCHEMA, downlink, messages, topics
 from edgefl_protocol.transport import Session
 from broker_coordinator.engine.transport import Transport
 from edgefl_protocol.delta_downlink import Broadcast
@@ -136,7 +136,7 @@ class ModelReleases:
         for old in sorted(self.sha)[:-RELEASES_REMEMBERED]:
             del self.sha[old]
         self.payloads = [(topics.model_chunk(self.fed, version, i), c) for i, c in enumerate(chunks)]
-        self.payloads += deltas + [(topics.model(self.fed, version), messages.encode("model", manifest))]
+        self.payloads += deltas + [(topics.model(self.fed, version), messages.encode("model", manifest, OLDEST_SCHEMA))]
         for topic, payload in self.payloads:
             if topic in self._retained_deltas:
                 continue  # retained since an earlier version

@@ -28,7 +28,7 @@ from broker_coordinator.engine.transport import Transport
 from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.storage.export import find_version, round_score
 from broker_coordinator.storage.store import StoreError, read_checkpoint
-from edgefl_protocol import downlink, messages, topics
+from edgefl_protocol import OLDEST_SCHEMA, downlink, messages, topics
 from edgefl_protocol.persist import atomic_write
 
 log = logging.getLogger("broker_coordinator")
@@ -87,7 +87,7 @@ class ServingReleases:
         manifest, chunks = downlink.release(version, self.arch, weights, self.model_codec, self.chunk_bytes,
                                             self.fingerprint)
         payloads = [(topics.serving_chunk(self.fed, version, i), c) for i, c in enumerate(chunks)]
-        payloads.append((topics.serving(self.fed), messages.encode("model", manifest)))
+        payloads.append((topics.serving(self.fed), messages.encode("model", manifest, OLDEST_SCHEMA)))
         for topic, payload in payloads:
             if not transport.publish_until(topic, payload, time.time() + 60, retain=True):
                 log.warning("serving: version %d could not be published (the broker did not confirm %s); the "

@@ -62,7 +62,7 @@ from broker_coordinator.engine.selection import POLICIES, select
 from broker_coordinator.engine.verdicts import Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.settings.round_settings import RoundSettings
-from edgefl_protocol import algorithms, codec, messages, topics
+from edgefl_protocol import algorithms, codec, messages, protocol, topics
 from edgefl_protocol.algorithms.base import ServerRule
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.site_partials import (
@@ -274,8 +274,10 @@ class SiteWorker:
                                             retain=True):
             log.error("round %d: could not publish the site's cohort", site_task.round)
             return
-        unsent = self.transport.publish_all([(topics.task(self.fed, d), site_task.task) for d in cohort],
-                                            task.deadline)
+        wire = self.intake.wire  # each device's task in the protocol version it speaks
+        sealed = [(topics.task(self.fed, d), wire.seal(d, "task", task)) for d in cohort]
+        unsent = self.transport.publish_all([(topic, p) for topic, p in sealed if p is not None], task.deadline)
+        unsent += [topic for topic, p in sealed if p is None]
         log.info("round %d (attempt %d): tasked %d of %d eligible devices%s", *key, len(cohort) - len(unsent),
                  len(eligible), f"; {len(unsent)} tasks not delivered" if unsent else "")
 
@@ -347,7 +349,7 @@ class SiteWorker:
         if rnd is None or (rnd.number, rnd.attempt) in self.sent or device not in rnd.cohort:
             return
         try:
-            receipt = messages.decode_receipt(payload)
+            receipt = messages.decode_receipt(protocol.unseal(payload, self.intake.keys.get(device), "a site worker"))
         except Rejected:
             return
         if receipt.accepted and (receipt.round, receipt.attempt) == (rnd.number, rnd.attempt):

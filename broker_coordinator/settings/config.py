@@ -10,6 +10,7 @@
     rounds = 0                           # 0 = run until stopped
     seed = 0
     root_data = ""                       # trusted (x, y) for reference = "root"; never the test set
+    min_protocol = 1                     # the oldest protocol version served (1: agents of 0.1.0 train too)
 
     [broker]
     host = "127.0.0.1"                   # where the coordinator itself connects
@@ -113,7 +114,7 @@ from broker_coordinator.settings.pacing_settings import PacingSettings
 from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.settings.site_settings import SiteSettings
 from broker_coordinator.settings.tracking_settings import TrackingSettings
-from edgefl_protocol import topics
+from edgefl_protocol import OLDEST_SCHEMA, protocol, topics
 from edgefl_protocol.settings import ConfigError, build_section, read_toml
 
 ENV_PREFIX = "EDGEFL_COORDINATOR"
@@ -131,9 +132,11 @@ class FederationSettings:
     rounds: int = 0
     seed: int = 0
     root_data: str = ""  # a small trusted labelled set (x, y), for [fold] reference = "root"
+    min_protocol: int = OLDEST_SCHEMA  # the oldest protocol version served: agents that speak only older ones are told to upgrade
 
     def validate(self) -> None:
         topics.check_name("federation", self.name)
+        protocol.serves(self.min_protocol)  # raises ValueError naming the versions this release speaks
         from models.objectives import Objective
         Objective.of(self.task, self.loss)  # raises ValueError naming the task or the loss
         if self.rounds < 0:
