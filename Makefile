@@ -32,7 +32,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: serving pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
+.PHONY: upgrade-drill serving pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -82,6 +82,9 @@ privacy: setup  # bench/results/privacy.json, privacy.md: accuracy against epsil
 
 spool: setup              # bench/results/spool.json, spool.md (spools of 1,000 to 100,000 files; 3-6 minutes)
 	nice -n 10 $(BIN)/python -m bench.spool
+
+upgrade-drill: setup mosquitto  # bench/results/upgrade.json, .md: a federation started on v0.1.0 upgraded to this release while it runs (about 10 minutes)
+	$(BIN)/python -m bench.upgrade_drill $(UPGRADE_DRILL_ARGS)
 
 serving: setup mosquitto  # bench/results/serving.json, .md: the model at work on the devices (release to current, latency, swaps, the gate, local accuracy; about 15 minutes, resumable)
 	$(BIN)/python -m bench.serving $(SERVING_ARGS)

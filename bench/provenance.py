@@ -37,6 +37,7 @@ Other keys (data, partition, seeds, ...) are free-form.
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -130,3 +131,12 @@ def measured_with(command: str, settings: dict[str, Any], **extra: Any) -> dict[
     """The `measured_with` block of a result: this checkout's commit, the command that ran, the
     deciding settings (key names of `defaults()`), then anything else that decides the numbers."""
     return {"commit": commit(), "command": command, **settings, **extra}
+
+
+def write_result(name: str, result: dict[str, Any], table: str) -> None:
+    """bench/results/NAME.json and NAME.md, and the table on stdout."""
+    results = Path(__file__).resolve().parent / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (results / f"{name}.md").write_text(table)
+    print(table)

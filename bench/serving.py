@@ -244,10 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in SEEDS:
         sections[f"local-{seed}"] = cached(f"local-{seed}", again, lambda seed=seed: serving_local.run(seed))
     result = summary(sections)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serving.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / "serving.md").write_text(markdown(result))
-    print(markdown(result))
+    provenance.write_result("serving", result, markdown(result))
     return 0
 
 

@@ -1,9 +1,9 @@
 """The previous release (0.1.0, the git tag v0.1.0) beside this one, against a real Mosquitto: its
 agent (protocol 1) and this release's (protocol 2) train in the same rounds and both are folded; a
 coordinator that stops serving protocol 1 leaves the old agent out, tells the operator once, and
-nobody crashes; the configs 0.1.0 wrote load here.
+nobody crashes; this release's agent trains for 0.1.0's coordinator; the configs 0.1.0 wrote load.
 
-The old agent runs from `git archive v0.1.0` of this repository, with this venv's packages (the
+0.1.0 runs from `git archive v0.1.0` of this repository, with this venv's packages (the
 same dependencies). Every wait is for a condition: the coordinator runs its rounds and exits.
 """
 
@@ -34,8 +34,8 @@ OLD, NEW = "pi-01", "pi-02"
 @pytest.fixture(scope="module")
 def previous_release(tmp_path_factory) -> Path:
     """0.1.0's packages, extracted from the tag."""
-    done = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", TAG, "edge_agent", "edgefl_protocol", "models",
-                           "docs/OPERATOR.md"], capture_output=True)
+    done = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", TAG, "broker_coordinator", "edge_agent",
+                           "edgefl_protocol", "models", "docs/OPERATOR.md"], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"the tag {TAG} is not in this clone ({done.stderr.decode().strip()}): fetch the tags")
     root = tmp_path_factory.mktemp("edgefl-0.1.0")
@@ -130,3 +130,48 @@ def test_the_configs_of_the_previous_release_load(tmp_path, previous_release):
     as_enroll_wrote_it(agent)
     loaded = load_agent_config(agent)
     assert loaded.device.id == "pi-07" and loaded.serving.dir == "/var/lib/edgefl/serving"
+
+
+def test_an_agent_of_this_release_trains_for_a_coordinator_of_the_previous_one(tmp_path, previous_release):
+    """0.1.0's coordinator (a fleet provisioned by hand: device_keys.toml) and this release's agent:
+    the agent speaks protocol 1 to it, unsigned tasks of protocol 1 included."""
+    from broker_coordinator.access.broker import COORDINATOR_USER
+    from broker_coordinator.simulation.private_broker import PrivateBroker
+    from broker_coordinator.simulation.processes import stop_processes
+    from edgefl_protocol import signing
+    from models import datasets
+
+    from .fleet import spawn
+
+    broker = PrivateBroker(tmp_path / "broker", "oldfed")
+    password = broker.add_user(COORDINATOR_USER)
+    broker.add_user(NEW)
+    key = signing.new_key()
+    state = tmp_path / "coordinator"
+    state.mkdir()
+    signing.write_key_file(state / "device_keys.toml", {NEW: key})
+    data = datasets.load("digits")
+    datasets.save_npz(tmp_path / "test.npz", data.test)
+    datasets.save_npz(tmp_path / "data.npz", data.train.subset(range(300)))
+    with broker:
+        config = tmp_path / "coordinator.toml"
+        config.write_text(to_toml({
+            "federation": {"name": "oldfed", "model": "digits_mlp", "rounds": 2, "test_data": str(tmp_path / "test.npz")},
+            "broker": {"host": broker.host, "port": broker.port, "username": COORDINATOR_USER, "password": password},
+            "rounds": {"local_epochs": 1, "min_updates": 1, "clients_per_round": 0, "round_timeout": 60},
+            "storage": {"state_dir": str(state)}}))
+        (tmp_path / "agent.toml").write_text(to_toml({
+            "broker": {"host": broker.host, "port": broker.port, "username": NEW, "password": broker.users[NEW]},
+            "device": {"id": NEW, "data": str(tmp_path / "data.npz"), "state_dir": str(tmp_path / "state"),
+                       "federation": "oldfed", "threads": 1, "signing_key": key.hex()}}))
+        agent = spawn(["-m", "edge_agent", "run", "--config", str(tmp_path / "agent.toml")], tmp_path / "agent.log")
+        try:
+            old = subprocess.run([sys.executable, "-m", "broker_coordinator", "run", "--config", str(config)],
+                                 capture_output=True, text=True, timeout=180, cwd=previous_release,
+                                 env=dict(os.environ, PYTHONPATH=str(previous_release)))
+        finally:
+            stop_processes([agent])
+    assert old.returncode == 0 and "finished 2 rounds" in old.stdout, old.stdout + old.stderr
+    log = (tmp_path / "agent.log").read_text()
+    assert "the coordinator speaks protocol version 1 to this agent" in log, log[-3000:]
+    assert log.count("update accepted by the coordinator") == 2 and " ERROR " not in log, log[-3000:]
