@@ -9,9 +9,11 @@ the broker. It offers the release to its own serving store through the agent's g
 (`edge_agent.serving_gate.ServingGate`, personalized serving on) and records the decision.
 
 At the end, on each device's held-out data: the global served model (the last release), its
-personalized copy (`edge_agent.personalize`, the steps and learning rate below), and what the gate
-serves (the store's current version, read back from disk); their means over the devices are
-`local_accuracy`. `served_worse_than_margin` counts the offers after which the store's current
+personalized copy (`edge_agent.personalize`, `personalize = "prior"`; "tune" beside it, evaluated
+only at the end), and what the gate serves (the store's current version, read back from disk);
+their means over the devices are `local_accuracy`. The gate chose what it serves by those same
+held-out samples, so `local_test_accuracy` scores the three again on data no device holds: the
+global test set weighted by each device's label frequencies (its own distribution). `served_worse_than_margin` counts the offers after which the store's current
 version, read back from disk, scored worse on the device's held-out data than the one it had before
 by more than the gate's margin: the gate's promise, checked from the outside.
 """
@@ -37,7 +39,8 @@ from models.architectures import build_model, set_weights
 from models.objectives import Objective
 
 HOLDOUT = 0.2  # the agent's [data] holdout default
-PERSONALIZE_STEPS, PERSONALIZE_LR = 20, 0.01
+PERSONALIZE = "prior"
+TUNE_STEPS, TUNE_LR = 60, 0.01  # "tune", the agent's defaults
 MAX_BYTES = 1 << 26
 
 
@@ -64,8 +67,7 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
                                       serving=CoordinatorServing())
     objective = Objective()
     work = Path(tempfile.mkdtemp(prefix=f"edgefl-serving-local-{seed}-"))
-    gate_settings = {d: ServingSettings(dir=str(work / d), personalize_steps=PERSONALIZE_STEPS,
-                                        personalize_lr=PERSONALIZE_LR) for d in sim.devices}
+    gate_settings = {d: ServingSettings(dir=str(work / d), personalize=PERSONALIZE) for d in sim.devices}
     gates = {d: ServingGate(gate_settings[d]) for d in sim.devices}
     data = dict(zip(sim.devices, local))
     decisions = {"published": 0, "published_personalized": 0, "kept": 0}
@@ -92,21 +94,38 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
         progress(f"seed {seed} round {round_no}: release {release.version}, {decisions}")
     release, weights = fetch_release(sim)
     set_weights(model, weights)
-    global_, personal, served = [], [], []
+    held: dict[str, list[float]] = {k: [] for k in ("global", "personalized", "tuned", "served")}
+    test: dict[str, list[float]] = {k: [] for k in held}
     for device in sim.devices:
         held_out, train = data[device].held_out, data[device].train
-        global_.append(objective.evaluate(model, held_out).score)
-        tuned = personalize(model, train, objective, PERSONALIZE_STEPS, PERSONALIZE_LR, seed=release.version)
-        personal.append(objective.evaluate(tuned, held_out).score)
-        served.append(stored_score(gates[device], held_out, objective))
+        _, meta, body = read_current(gates[device].store.root)
+        candidates = {"global": model, "served": load_model(meta, body),
+                      "personalized": personalize(model, train, objective, PERSONALIZE, 0, 0.0),
+                      "tuned": personalize(model, train, objective, "tune", TUNE_STEPS, TUNE_LR, seed=release.version)}
+        for name, candidate in candidates.items():
+            held[name].append(objective.evaluate(candidate, held_out).score)
+            test[name].append(label_weighted(candidate, fed.test, train))
     mean = lambda values: round(sum(values) / len(values), 4)  # noqa: E731
     return {"seed": seed, "rounds": rounds, "releases": releases, "last_release": release.version,
-            "global": mean(global_), "personalized": mean(personal), "served": mean(served),
-            "per_device": {"global": global_, "personalized": personal, "served": served,
-                           "held_out": [len(data[d].held_out) for d in sim.devices]},
+            **{name: mean(values) for name, values in held.items()},
+            "test": {name: mean(values) for name, values in test.items()},
+            "per_device": {**held, "held_out": [len(data[d].held_out) for d in sim.devices]},
             "decisions": decisions, "served_worse_than_margin": worse,
             "central_accuracy": round(objective.evaluate(model, fed.test).score, 4),
             "seconds": round(time.time() - started, 1)}
+
+
+def label_weighted(model, test, train) -> float:  # noqa: ANN001 - a module and two Datasets
+    """Accuracy on the global test set weighted by the device's label frequencies: its own distribution,
+    on samples no device holds."""
+    import numpy as np
+    import torch
+    with torch.no_grad():
+        predicted = model(torch.as_tensor(test.x)).argmax(dim=1).numpy()
+    classes = int(max(test.y.max(), train.y.max())) + 1
+    per_class = np.array([(predicted[test.y == c] == c).mean() if (test.y == c).any() else 0.0 for c in range(classes)])
+    frequency = np.bincount(train.y, minlength=classes) / len(train.y)
+    return float((per_class * frequency).sum())
 
 
 def stored_score(gate: ServingGate, held_out, objective: Objective) -> float | None:  # noqa: ANN001 - a Dataset

@@ -40,6 +40,7 @@
     group = "edgefl-model"      # local group that may read the store (when it exists)
     gate = true                 # keep the current version when a new one is worse on the held-out data
     gate_margin = 0.02          # ... by more than this (metric units: 0.02 = 2 accuracy points)
+    personalize = "off"         # prior: the device's label frequencies; tune: personalize_steps SGD steps
 
 A spool is a directory the device's own application writes small `.npz` (x, y)
 or `.csv` batches into, each under a unique name by atomic rename (write
@@ -196,16 +197,19 @@ class ServingSettings:
     group: str = ""  # local group whose members (the device's applications) may read the store, when it exists
     gate: bool = True  # before publishing a version, score it on the held-out data and keep the current one when worse
     gate_margin: float = 0.02  # gate: how much worse (in the metric's units; 0.02 = 2 accuracy points) is refused
-    personalize_steps: int = 0  # opt-in: SGD steps of a copy of each release on the device's own data before the gate
-    personalize_lr: float = 0.01  # personalize_steps: the copy's learning rate (momentum 0.9, batches of 32)
+    personalize: str = "off"  # opt-in: prior (the device's label frequencies) | tune (SGD steps) on a copy of each release
+    personalize_steps: int = 60  # personalize = "tune": SGD steps of the copy on the device's own data
+    personalize_lr: float = 0.01  # personalize = "tune": the copy's learning rate (momentum 0.9, batches of 32)
 
     def validate(self) -> None:
         if self.keep < 1:
             raise ValueError(f"keep must be at least 1 version, got {self.keep}")
         if self.gate_margin < 0:
             raise ValueError(f"gate_margin must be 0 or positive, got {self.gate_margin}")
-        if self.personalize_steps < 0 or self.personalize_steps > 100_000:
-            raise ValueError(f"personalize_steps must be 0 (off) to 100000, got {self.personalize_steps}")
+        if self.personalize not in ("off", "prior", "tune"):
+            raise ValueError(f"personalize must be off, prior or tune, got {self.personalize!r}")
+        if self.personalize_steps < 1 or self.personalize_steps > 100_000:
+            raise ValueError(f"personalize_steps must be 1 to 100000, got {self.personalize_steps}")
         if not 0 < self.personalize_lr < 10:
             raise ValueError(f"personalize_lr must be positive and below 10, got {self.personalize_lr}")
 

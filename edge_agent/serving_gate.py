@@ -62,6 +62,7 @@ class ServingGate:
         self.offered: set[int] = set()
         self.errors = 0
         self._said_no_holdout = False
+        self._said_no_personalize = False
 
     def wants(self, version: int) -> bool:
         """Not offered yet, not already in the store, and newer than the current one."""
@@ -77,12 +78,15 @@ class ServingGate:
             new_score = objective.evaluate(model, held_out).score
             model.train()
             current_score = self._score_current(held_out, objective) if current is not None else None
-            steps = self.settings.personalize_steps
-            if steps and train is not None and len(train):  # a tuned copy; the release itself stays as it came
-                tuned = personalize(model, train, objective, steps, self.settings.personalize_lr, seed=release.version)
-                tuned_score = objective.evaluate(tuned, held_out).score
-                if tuned_score > new_score if objective.higher_is_better else tuned_score < new_score:
-                    model, released_score, new_score = tuned, new_score, tuned_score
+            mode = self.settings.personalize
+            if mode != "off" and train is not None and len(train):  # a copy; the release itself stays as it came
+                own = personalize(model, train, objective, mode, self.settings.personalize_steps,
+                                  self.settings.personalize_lr, seed=release.version)
+                own_score = None if own is None else objective.evaluate(own, held_out).score
+                if own is None:
+                    self._cannot_personalize(mode)
+                elif own_score > new_score if objective.higher_is_better else own_score < new_score:
+                    model, released_score, new_score = own, new_score, own_score
         elif not self._said_no_holdout:
             self._said_no_holdout = True
             log.info("serving: no held-out data ([data] holdout = 0): the gate has nothing to judge, every "
@@ -99,8 +103,15 @@ class ServingGate:
             "round": round_, "architecture": release.arch, "fingerprint": release.fingerprint,
             "release_sha256": release.sha256, "task": objective.task, "score": score,
             "personalized": None if released_score is None else {
-                "steps": self.settings.personalize_steps, "released_score": released_score}})
+                "how": self.settings.personalize, "released_score": released_score,
+                **({"steps": self.settings.personalize_steps} if self.settings.personalize == "tune" else {})}})
         return Decision(release.version, True, current, objective.metric, new_score, current_score, released_score)
+
+    def _cannot_personalize(self, mode: str) -> None:
+        if not self._said_no_personalize:
+            self._said_no_personalize = True
+            log.info("serving: personalize = %r does not apply to this model (a classification model whose last "
+                     "layer has a bias per class): each version is served as released", mode)
 
     def _score_current(self, held_out: Dataset, objective: Objective) -> float | None:
         """The current version on the same samples; None when it cannot be judged here (another
