@@ -277,10 +277,10 @@ def markdown(result: dict) -> str:
             ("updates lost with a logged reason", u["updates_lost_with_reason"], b["updates_lost_with_reason"]),
             ("updates lost without a logged reason", u["updates_lost_without_reason"], b["updates_lost_without_reason"]),
             ("final accuracy", f"{u['final_accuracy']:.4f}", f"{b['final_accuracy']:.4f}")]
-    lines = ["# Upgrade drill: 0.1.0 to this release while the federation runs", "",
+    lines = [f"# Upgrade drill: {result['from_version']} to {result['to_version']} while the federation runs", "",
              f"`{result['measured_with'].get('command', 'make upgrade-drill')}`; {len(DEVICES)} devices, {ROUNDS} "
-             f"rounds; the coordinator upgraded after round {COORDINATOR_AT}, then five agents one by one, each at "
-             f"a random point of a round; {STAYS_OLD} stays on 0.1.0.", "",
+             f"rounds; the coordinator upgraded first, then five agents one by one, each stopped at a random point "
+             f"of a round; {STAYS_OLD} stays on {result['from_version']}.", "",
              "| | upgraded while running | never upgraded |", "|---|---|---|",
              *(f"| {name} | {a} | {c} |" for name, a, c in rows), "",
              "Upgrades: " + "; ".join(e.split(": ", 1)[1] for e in u["events"]) + ".", "",
