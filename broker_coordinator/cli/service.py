@@ -66,7 +66,8 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     skip_attempts_the_devices_ran(coordinator)  # after a restore: rounds the devices ran that this state lost
     echo(f"coordinator for federation {fed.name!r} connected to {b.host}:{b.port}; "
          f"starting at round {coordinator.next_round}")
-    pacer = Pacer(config.pacing, config.storage.state_dir, objective.higher_is_better)
+    pacer = Pacer(config.pacing, config.storage.state_dir, objective.higher_is_better, metrics=metrics)
+    metrics.privacy_target.set(config.rounds.privacy.target_epsilon or 0.0)
     p = config.pacing
     log.info("pacing: a round at most every %s, %s ([pacing]; interval = 0 and patience = 0 run rounds back to "
              "back)", p.interval if p.interval_seconds else "0 s (back to back)",

@@ -125,6 +125,8 @@ class UpdateIntake:
     def reject(self, device: str, reason: str, detail: str, current: Round | None = None) -> None:
         self.rejections[reason] += 1
         self.metrics.rejected.labels(reason).inc()
+        if device in self.keys:  # an enrolled device: a series of its own (a made-up name gets none)
+            self.metrics.device_updates.labels(device, "rejected").inc()
         if current is not None:
             current.rejected[reason] += 1
         # routine after a restart or a slow link (the device is told, nobody must act): INFO

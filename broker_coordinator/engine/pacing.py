@@ -28,6 +28,7 @@ from edgefl_protocol.persist import atomic_write
 
 if TYPE_CHECKING:
     from broker_coordinator.engine.loop import Engine
+    from broker_coordinator.reporting.metrics import Metrics
 
 log = logging.getLogger("broker_coordinator")
 STATE_FILE = "pacing.json"
@@ -65,14 +66,17 @@ def request_resume(state_dir: Path | str) -> Path:
 
 class Pacer:
     def __init__(self, settings: PacingSettings, state_dir: Path | str | None, higher_is_better: bool = True,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.settings, self.higher_is_better, self.clock = settings, higher_is_better, clock
+                 clock: Callable[[], float] = time.time, metrics: Metrics | None = None) -> None:
+        self.settings, self.higher_is_better, self.clock, self.metrics = settings, higher_is_better, clock, metrics
+        if metrics is not None:
+            metrics.pacing_interval.set(settings.interval_seconds)
         self.dir = Path(state_dir) if state_dir is not None else None
         self.pace = (read_pace(self.dir) if self.dir else None) or PaceState(since=clock())
         if self.pace.state == "waiting":
             self.pace.state = "running"  # a restart does not wait for a round that never ran
         if self.pace.state == "resting":
             log.info("the federation is resting (%s); %s", self.pace.why, self.pace.wakes)
+        self._gauge()
 
     # after each round: the stop rule ----------------------------------------------------
     def observe(self, record: RoundRecord, samples: int) -> None:
@@ -142,6 +146,11 @@ class Pacer:
         if state != self.pace.state:
             self.pace.since = self.clock()
         self.pace.state, self.pace.why, self.pace.wakes = state, why, wakes
+        self._gauge()
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.resting.set(self.pace.state == "resting")
 
     def _save(self) -> None:
         if self.dir is None:

@@ -52,6 +52,7 @@ class DevicePresence:
     def on_status(self, device: str, payload: bytes) -> None:
         if not payload:  # its retained status cleared (`devices revoke` and `rotate` do, the broker sends no will)
             self.online.pop(device, None)
+            self._device_series(device)
             if self.store:
                 self.store.record_presence(device, False, {})
             self.metrics.online.set(len(self.online))
@@ -78,6 +79,13 @@ class DevicePresence:
             self.store.record_presence(device, status.state == "online", dict(status.profile))
         self.metrics.online.set(len(self.online))
         self._count_versions()
+        self._device_series(device)
+
+    def _device_series(self, device: str) -> None:
+        profile = self.online.get(device)
+        self.metrics.device_online.labels(device).set(profile is not None)
+        self.metrics.device_eligible.labels(device).set(
+            profile is not None and ineligible_because(profile, self.serves) is None)
 
     def _count_versions(self) -> None:
         """Prometheus' `edgefl_agents{version}`: the online devices by the release their agent runs."""

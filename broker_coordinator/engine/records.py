@@ -58,6 +58,10 @@ class RoundRecords:
                         "in its agent.toml: the [device] data shorthand that `edge-agent enroll` writes holds out "
                         "none), or give this coordinator a test set ([federation] test_data)", record.round)
         self.metrics.round.set(record.round)
+        self.metrics.last_round_time.set(time.time())
+        for device, entry in record.devices.items():
+            if entry.get("verdict") in ("folded", "clipped", "left_out"):
+                self.metrics.device_updates.labels(device, entry["verdict"]).inc()
 
     def record(self, rnd: Round, base_sha: str, model_sha: str, closed: str,
                central: Evaluation | None = None) -> RoundRecord:

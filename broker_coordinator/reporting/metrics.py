@@ -42,6 +42,26 @@ class Metrics:
         self.online = Gauge("edgefl_devices_online", "Devices whose status is online", registry=r)
         self.agents = Gauge("edgefl_agents", "Online devices by the EdgeFL release their agent runs ('unknown': "
                             "an agent of 0.1.0, which does not say)", ["version"], registry=r)
+        # per device (bounded by the enrolled fleet: only devices with a key or a status get a series)
+        self.device_online = Gauge("edgefl_device_online", "1 while the device's status is online", ["device"],
+                                   registry=r)
+        self.device_eligible = Gauge("edgefl_device_eligible", "1 while an online device may be selected (its "
+                                     "owner's conditions, its agent's protocol)", ["device"], registry=r)
+        self.device_updates = Counter("edgefl_device_updates", "A device's answers by what became of them: folded, "
+                                      "clipped, left_out (the fold's verdict) or rejected", ["device", "outcome"],
+                                      registry=r)
+        # what the alert rules read (deploy/prometheus/edgefl-rules.yml)
+        self.started = Gauge("edgefl_coordinator_start_timestamp_seconds", "When this coordinator process started "
+                             "(unix seconds)", registry=r)
+        self.started.set_to_current_time()
+        self.last_round_time = Gauge("edgefl_last_round_timestamp_seconds", "When the last round closed (unix "
+                                     "seconds)", registry=r)
+        self.pacing_interval = Gauge("edgefl_pacing_interval_seconds", "[pacing] interval: the least time between "
+                                     "rounds", registry=r)
+        self.resting = Gauge("edgefl_resting", "1 while the federation rests ([pacing] patience): no round is due",
+                             registry=r)
+        self.privacy_target = Gauge("edgefl_privacy_epsilon_target", "[privacy] target_epsilon: the budget "
+                                    "(0: none)", registry=r)
         self.tracking_failures = Counter("edgefl_tracking_failures", "Writes to a run tracker (TensorBoard, "
                                          "MLflow) that failed; the rounds go on", ["sink"], registry=r)
 
