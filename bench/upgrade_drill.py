@@ -4,7 +4,7 @@ to this one while it runs. Writes bench/results/upgrade.json and upgrade.md.
 The previous release is built from its tag (v0.1.0) in a temporary git worktree with a virtualenv of
 its own (the same dependencies as this one's: a .pth file names this venv's site-packages, another
 the worktree). A private Mosquitto (simulation/private_broker.py), `broker-coordinator run` as its
-own process, and six agent processes (digits, MLP, one epoch, every device in every round) start on
+own process, and six agent processes (MNIST-5k, the CNN, one epoch, every device in every round) start on
 0.1.0, with the coordinator config 0.1.0's guide writes. Then, as docs/OPERATOR.md's "Upgrading"
 says: the coordinator is stopped (SIGTERM, at a random point of a round), its config gains the
 pacing that keeps 0.1.0's back-to-back rounds, and this release's coordinator starts on the same
@@ -51,6 +51,7 @@ from bench.fault_drill import _sum, audit  # noqa: E402
 FED = "upgrade"
 DEVICES = [f"dev-{i}" for i in range(6)]
 STAYS_OLD = "dev-5"  # nobody upgrades it
+DATASET, MODEL = "mnist5k", "mnist_cnn"  # rounds of a few seconds: long enough to stop a process inside one
 ROUNDS, EXTRA_ROUNDS = 24, 3
 COORDINATOR_AT, FIRST_AGENT_AT, AGENT_EVERY = 4, 7, 3  # rounds after which each upgrade happens
 ROUND_SETTINGS = {"local_epochs": 1, "min_updates": 5, "clients_per_round": 0, "round_timeout": 20.0}
@@ -109,7 +110,7 @@ class Federation:
         from edgefl_protocol.settings import to_toml
         from models import datasets, partition
 
-        data = datasets.load("digits")
+        data = datasets.load(DATASET)
         keys = {d: signing.new_key() for d in DEVICES}
         self.state = self.workdir / "coordinator"
         self.state.mkdir(parents=True)
@@ -117,7 +118,7 @@ class Federation:
         datasets.save_npz(self.workdir / "test.npz", data.test)
         self.config = self.workdir / "coordinator.toml"
         self.config.write_text(to_toml({  # the keys 0.1.0 knows
-            "federation": {"name": FED, "model": "digits_mlp", "rounds": ROUNDS, "test_data": str(self.workdir / "test.npz"),
+            "federation": {"name": FED, "model": MODEL, "rounds": ROUNDS, "test_data": str(self.workdir / "test.npz"),
                            "seed": self.seed},
             "broker": {"host": self.broker.host, "port": self.broker.port, "username": COORDINATOR_USER,
                        "password": self.password},
@@ -179,12 +180,13 @@ class Federation:
 
 
 def at_a_random_point_of_a_round(fed: Federation, after: int, rng: random.Random) -> None:
-    """Wait for round `after`, then a random fraction of the next round's length."""
-    fed.wait_for_round(after)
+    """Wait for round `after` (at most the third-last: rounds do not wait for the drill), measure the
+    next round's length, then wait a random fraction of a round into the one after it."""
+    fed.wait_for_round(min(after, ROUNDS - 3))
+    begun = fed.round()
     started = time.monotonic()
-    fed.wait_for_round(after + 1)
-    length = time.monotonic() - started
-    time.sleep(rng.uniform(0.0, length))
+    fed.wait_for_round(begun + 1)
+    time.sleep(rng.uniform(0.0, time.monotonic() - started))
 
 
 def drill(old: Release, new: Release, seed: int, workdir: Path, upgrade: bool) -> dict:
@@ -206,7 +208,7 @@ def drill(old: Release, new: Release, seed: int, workdir: Path, upgrade: bool) -
                 fed.start_coordinator(new)
                 events.append(f"{time.monotonic() - started:6.1f} s: coordinator upgraded after round {at}")
                 for i, device in enumerate(d for d in DEVICES if d != STAYS_OLD):
-                    at_a_random_point_of_a_round(fed, max(FIRST_AGENT_AT + i * AGENT_EVERY, fed.round()), rng)
+                    at_a_random_point_of_a_round(fed, FIRST_AGENT_AT + i * AGENT_EVERY, rng)
                     at = fed.round()
                     fed.stop(fed.agents[device])
                     fed.start_agent(device, new)
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: v for k, v in upgraded.items() if k != "events"}), flush=True)
             never = drill(old, new, args.seed, work / "never", upgrade=False)
     result = {"measured_with": provenance.measured_with(provenance.invoked(), {
-                  "devices": len(DEVICES), "rounds": ROUNDS, "model": "digits_mlp", "rounds_settings": ROUND_SETTINGS,
+                  "devices": len(DEVICES), "rounds": ROUNDS, "model": MODEL, "dataset": DATASET,
+                  "rounds_settings": ROUND_SETTINGS,
                   "stays_old": STAYS_OLD, "seed": args.seed}),
               "from_version": old.name, "to_version": new.name,
               "rounds_completed": upgraded["rounds_completed"], "rounds_skipped": upgraded["rounds_skipped"],
