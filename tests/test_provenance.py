@@ -165,6 +165,28 @@ CLAIMS = [
     (RESULTS_PAGE, r"\| \d+ of \d+ \| (\d+) \| \d+ \|", "fault_drill.json", "updates_trained", 1, 0),
     (RESULTS_PAGE, r"\| \d+ of \d+ \| \d+ \| (\d+) \|", "fault_drill.json", "outcomes/accepted", 1, 0),
     (RESULTS_PAGE, r"\(`stale`\) \| (\d+) \|", "fault_drill.json", "lost_without_reason", 1, 0),
+    (RESULTS_PAGE, row(r"release to current on every device, median \(s\)", 0), "serving.json",
+     "release_to_current_s/median_all_devices", 1, 2),
+    (RESULTS_PAGE, row(r"prediction latency p50 / p99 while idle \(ms\)", 0), "serving.json", "latency_ms/idle/p50", 1, 2),
+    (RESULTS_PAGE, row(r"prediction latency p50 / p99 while training \(ms\)", 0), "serving.json",
+     "latency_ms/training/p50", 1, 2),
+    (RESULTS_PAGE, row("torn or partial reads in 1,000 swaps", 0, r"\d+"), "serving.json", "torn_or_partial", 1, 0),
+    (RESULTS_PAGE, row("gate decisions that served a model worse than the margin", 0, r"\d+"), "serving.json",
+     "gate/served_worse_than_margin", 1, 0),
+    (RESULTS_PAGE, row(r"serving bytes per device per day at the paced defaults \(MB\)", 0), "serving.json",
+     "serving_bytes_per_device_day", 1e-6, 2),
+    *[(RESULTS_PAGE, row(label, i), "serving.json", f"serving_mean/{block}/{key}", 100, 2)
+      for label, key in (("the global served model", "global"), ("personalized: the device's label prior", "personalized"),
+                         ("personalized: 60 SGD steps", "tuned"), ("what the gate served", "served"))
+      for i, block in enumerate(("local_accuracy", "local_test_accuracy"))],
+    (RESULTS_PAGE, row("upgraded while running", 0, r"\d+"), "upgrade.json", "rounds_completed", 1, 0),
+    (RESULTS_PAGE, row("upgraded while running", 1, r"\d+"), "upgrade.json", "rounds_repeated", 1, 0),
+    (RESULTS_PAGE, row("upgraded while running", 2, r"\d+"), "upgrade.json", "rounds_skipped", 1, 0),
+    (RESULTS_PAGE, row("upgraded while running", 3, r"\d+"), "upgrade.json", "updates_lost_with_reason", 1, 0),
+    (RESULTS_PAGE, row("upgraded while running", 4, r"\d+"), "upgrade.json", "updates_lost_without_reason", 1, 0),
+    (RESULTS_PAGE, row("upgraded while running", 5), "upgrade.json", "final_accuracy", 100, 2),
+    (RESULTS_PAGE, row(r"never upgraded \(0\.1\.0 throughout\)", 5), "upgrade.json", "final_accuracy_never_upgraded",
+     100, 2),
     ("docs/PRIVACY.md", r"non-private run ends at \*\*([\d.]+)%", "privacy.json",
      f"runs/{MOMENTUM_ROW}/none/final_accuracy_mean", 100, 2),
     *[("docs/PRIVACY.md", r"private ones at \*\*" + r"[\d.]+ / " * i + r"([\d.]+)", "privacy.json",
@@ -210,6 +232,9 @@ DERIVED = {  # numbers the docs quote that the files hold only in parts
     # "all N cells": N ok, and no cell that was not
     "cells_ok": lambda d: sum(c["ok"] for c in d["cells"]) if all(c["ok"] for c in d["cells"]) else -1,
     "refused_count": lambda d: len(d["refused"]),
+    "torn_or_partial": lambda d: d["swaps"]["torn_reads"] + d["swaps"]["partial_reads"],
+    **{f"serving_mean/{block}/{key}": (lambda d, block=block, key=key: sum(d[block][key]) / len(d[block][key]))
+       for block in ("local_accuracy", "local_test_accuracy") for key in ("global", "personalized", "tuned", "served")},
     "default_final_mean": lambda d: sum(d["fleet"]["runs"]["dynsam+sgd"]["final_accuracy"]) / 2,
     "default_vs_fedavg": lambda d: (sum(d["fleet"]["runs"]["dynsam+sgd"]["final_accuracy"])
                                     - sum(d["fleet"]["runs"]["fedavg+sgd"]["final_accuracy"])) / 2,
