@@ -34,7 +34,7 @@ trained delta d (the attacker knows the coordinator's state: a white-box adversa
 And `clean` (no attackers) and `absent` (the attackers' devices and data not in the federation,
 the best any defence can reach under non-IID data).
 
-SIZE: 10 rounds (30 on the second partition); MNIST-5k Dirichlet(0.5) over 20 devices (the MLP of `models.architectures`) and
+SIZE: 10 rounds (30 on the second partition); MNIST-5k Dirichlet(0.5) over 20 devices (the MLP of `edgefl_models.architectures`) and
 FedProx's Synthetic(1,1) over 30 (logistic regression); 2 seeds; on the second partition only
 clean, absent and the 10% attacks that move the model most (`SECOND_ATTACKS`); `mean` runs only
 `BASELINE_RUNS`, the folds that hold the round (`HELD_FOLDS`) only `HELD_RUNS` on the headline.
@@ -127,7 +127,7 @@ class Attack:
         self.sent = 0  # attackers' updates sent
 
     def data_of(self, device: str, data):
-        from models.datasets import Dataset
+        from edgefl_models.datasets import Dataset
         if device not in self.bad or self.name not in ("label_flip", "backdoor"):
             return data
         if self.name == "label_flip":

@@ -44,8 +44,8 @@ from broker_coordinator.reporting.evaluation import evaluate  # noqa: E402
 from edge_agent.training import LocalSettings, train_locally  # noqa: E402
 from edgefl_protocol import algorithms, codec, messages  # noqa: E402
 from bench import provenance  # noqa: E402
-from models.architectures import build_model, get_weights, set_weights  # noqa: E402
-from models.datasets import Dataset, load_mnist5k, mnist_split_perm  # noqa: E402
+from edgefl_models.architectures import build_model, get_weights, set_weights  # noqa: E402
+from edgefl_models.datasets import Dataset, load_mnist5k, mnist_split_perm  # noqa: E402
 
 PARTITION = ROOT / "bench" / "data" / "mnist5k_dir01_20clients.npz"
 RESULTS = ROOT / "bench" / "results"
@@ -66,7 +66,7 @@ def load_federation() -> tuple[list[Dataset], Dataset]:
     data = load_mnist5k()
     part = np.load(PARTITION, allow_pickle=False)
     if not np.array_equal(part["shuffle_perm"], mnist_split_perm()):
-        raise SystemExit(f"{PARTITION} does not match the MNIST-5k split of models.datasets")
+        raise SystemExit(f"{PARTITION} does not match the MNIST-5k split of edgefl_models.datasets")
     offsets, index = part["offsets"], part["train_idx"]
     clients = [data.train.subset(index[offsets[k]:offsets[k + 1]]) for k in range(len(offsets) - 1)]
     return clients, data.test

@@ -119,9 +119,9 @@ def pairwise(candidates: list[Cell]) -> list[Cell]:
 
 def untrained_score(arch: str, seed: int) -> float:
     """The central metric of the model every cell starts from (models.build_model(arch, seed))."""
-    from models import datasets
-    from models.architectures import build_model
-    from models.objectives import Objective
+    from edgefl_models import datasets
+    from edgefl_models.architectures import build_model
+    from edgefl_models.objectives import Objective
     return Objective().evaluate(build_model(arch, seed), datasets.load("digits").test).score
 
 

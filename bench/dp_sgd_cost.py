@@ -59,8 +59,8 @@ def one_round(arch: str, private: bool) -> dict:
     import torch
 
     from checks.pi.train_probe import local_round
-    from models import datasets
-    from models.architectures import build_model
+    from edgefl_models import datasets
+    from edgefl_models.architectures import build_model
 
     torch.set_num_threads(1)
     data = datasets.load(MODELS[arch]).train.subset(np.arange(ROUND_SAMPLES))

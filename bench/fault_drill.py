@@ -83,7 +83,7 @@ def drill(seed: int, rounds: int, workdir: Path) -> dict:
     from broker_coordinator.simulation.simulate import PROJECT_ROOT
     from edgefl_protocol import signing
     from edgefl_protocol.settings import to_toml
-    from models import datasets, partition
+    from edgefl_models import datasets, partition
 
     rng = random.Random(seed)
     devices = [f"dev-{i}" for i in range(5)]

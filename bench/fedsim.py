@@ -15,9 +15,9 @@ import numpy as np
 
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.aggregation.serving import ServedAverage
-from models.architectures import build_model, set_weights
-from models.datasets import Dataset
-from models.objectives import Objective
+from edgefl_models.architectures import build_model, set_weights
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective
 
 from .inmemory import InMemoryFederation, set_threads  # noqa: F401 (set_threads is used from here)
 

@@ -150,7 +150,7 @@ def model_download_bytes(algorithm: str, model_codec: str = "float32") -> int:
     """Bytes of one model release (what a device fetches per round it takes part in), with the
     algorithm's broadcast tensors (FedSMOO's s); the manifest and MQTT framing are not counted."""
     from edgefl_protocol import algorithms, downlink
-    from models.architectures import build_model, get_weights
+    from edgefl_models.architectures import build_model, get_weights
     weights = get_weights(build_model("mnist_cnn", 0))
     server = algorithms.get(algorithm).server(algorithms.get(algorithm).defaults)
     extras = {}

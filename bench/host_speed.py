@@ -47,7 +47,7 @@ def pinned(path: Path | None = None) -> dict[str, float]:
 def calibrate(arch: str) -> float:
     """This thread's training throughput for `arch` by CPU time (other jobs on the host barely move it)."""
     from edge_agent.hardware import calibrate as measure
-    from models.architectures import build_model, resolve
+    from edgefl_models.architectures import build_model, resolve
     return measure(build_model(arch), resolve(arch).input_shape, max_steps=2000, clock=time.thread_time)
 
 
@@ -68,7 +68,7 @@ def pin(archs: list[str], path: Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from models.architectures import ARCHITECTURES
+    from edgefl_models.architectures import ARCHITECTURES
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pin", action="store_true", help="calibrate and write bench/host_speed.json")
     ap.add_argument("--archs", default=",".join(ARCHITECTURES), help="comma-separated models to pin")

@@ -41,8 +41,8 @@ from broker_coordinator.simulation.in_memory import fold_round
 from edge_agent.device_step import Budget, Step, device_step
 from edge_agent.settlement import apply_verdict
 from edgefl_protocol import messages, signing
-from models.architectures import build_model, set_weights
-from models.datasets import Dataset
+from edgefl_models.architectures import build_model, set_weights
+from edgefl_models.datasets import Dataset
 
 FED = "bench"
 MAX_VALUES = 1 << 26

@@ -41,7 +41,7 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.fleet import PROFILES
 from broker_coordinator.simulation.in_memory import fold_round
 from edge_agent.conditions import Hours
-from models import datasets, partition
+from edgefl_models import datasets, partition
 
 from . import provenance
 from .inmemory import InMemoryFederation, host_speed, set_threads

@@ -67,7 +67,7 @@ from broker_coordinator.settings.privacy_settings import PrivacySettings
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
 from edgefl_protocol import codec, messages
-from models import datasets
+from edgefl_models import datasets
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = RESULTS / "privacy_runs"
@@ -220,7 +220,7 @@ def central_reference(clients: list, test, devices: int = 1000, lr: float = 0.05
     `devices` devices (no federation, no privacy): how far the federated rows are from learnable."""
     import torch
 
-    from models.architectures import build_model
+    from edgefl_models.architectures import build_model
 
     x = torch.tensor(np.concatenate([np.asarray(c.x) for c in clients[:devices]]), dtype=torch.float32)
     y = torch.tensor(np.concatenate([np.asarray(c.y) for c in clients[:devices]]))

@@ -121,7 +121,7 @@ def codecs_of(archs: list[str], configured: str | None = None) -> dict[str, str]
 
     from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import codec
-    from models.architectures import build_model
+    from edgefl_models.architectures import build_model
     configured = configured or RoundSettings().codec
     return {a: codec.resolve(configured, sum(math.prod(p.shape) for p in build_model(a).state_dict().values()))
             for a in archs}

@@ -49,8 +49,8 @@ from broker_coordinator.simulation.simulate import (SimulationSpec, prepare_shar
 from broker_coordinator.storage.store import Store  # noqa: E402
 from edgefl_protocol import codec, signing  # noqa: E402
 from bench import provenance  # noqa: E402
-from models import datasets  # noqa: E402
-from models.architectures import build_model, get_weights  # noqa: E402
+from edgefl_models import datasets  # noqa: E402
+from edgefl_models.architectures import build_model, get_weights  # noqa: E402
 
 FED = "bench"
 # Every part runs the shipped defaults (RoundSettings()), setting only what the part must.

@@ -73,7 +73,7 @@ def raise_open_files(needed: int) -> int:
 def write_body(workdir: Path) -> Path:
     from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import codec
-    from models.architectures import build_model, get_weights
+    from edgefl_models.architectures import build_model, get_weights
     weights = get_weights(build_model("mnist_cnn"))
     rng = np.random.default_rng(0)
     encoded = codec.encode({k: rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in weights.items()},
@@ -240,7 +240,7 @@ def coordinator_main(args: argparse.Namespace) -> None:
     from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.access.sites import site_key
     from broker_coordinator.engine.tree import SiteSpec
-    from models import datasets
+    from edgefl_models import datasets
     data = datasets.load("mnist5k")
     settings = RoundSettings(algorithm="fedavg", round_timeout=args.timeout, min_updates=1,
                              max_attempts=1)  # the default fold, at the sites and at the centre

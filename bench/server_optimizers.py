@@ -30,7 +30,7 @@ ROUNDS, CLIENTS, PARTITION = 20, 10, "dirichlet:0.3"
 
 def run(algorithm: str, optimizer: str, seed: int) -> list[float]:
     from broker_coordinator.settings.round_settings import RoundSettings
-    from models import datasets, partition
+    from edgefl_models import datasets, partition
     data = datasets.load("digits")
     clients = [data.train.subset(p) for p in partition.split(PARTITION, data.train.y, CLIENTS, 0)]
     settings = RoundSettings(algorithm=algorithm, local_epochs=1, codec="float32",

@@ -135,7 +135,7 @@ def serving_release_bytes(state_dir: Path) -> int:
     from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import read_checkpoint
     from edgefl_protocol import downlink, messages
-    from models.architectures import build_model, fingerprint
+    from edgefl_models.architectures import build_model, fingerprint
     ckpt = read_checkpoint(state_dir / "checkpoint.msgpack")
     settings = RoundSettings()  # simulate's --model-codec default is the settings' default
     manifest, chunks = downlink.release(ckpt.version, ckpt.arch, ckpt.served or ckpt.weights, settings.model_codec,

@@ -30,7 +30,7 @@ import torch
 from broker_coordinator.simulation.fleet import PROFILES, CgroupUnavailable, Cgroups, join_command
 from edge_agent.serving import ServeError, ServedModel, predict_over_socket
 from edge_agent.serving_store import ServingStore
-from models.architectures import build_model, fingerprint
+from edgefl_models.architectures import build_model, fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 PI_CORES = 4
@@ -45,8 +45,8 @@ try:
 except (AttributeError, OSError):
     pass
 torch.set_num_threads(int(sys.argv[2]))
-from models.architectures import build_model
-from models import datasets
+from edgefl_models.architectures import build_model
+from edgefl_models import datasets
 data = datasets.load_mnist5k().train
 model = build_model(sys.argv[1])
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -133,7 +133,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def latency(arch: str = "mnist_cnn", device_class: str = "pi4", requests: int = 500) -> dict:
-    from models import datasets
+    from edgefl_models import datasets
     x = datasets.load_mnist5k().test.x[:100]
     pi = EmulatedPi(device_class)
     work = Path(tempfile.mkdtemp(prefix="edgefl-serving-latency-"))

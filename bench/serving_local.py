@@ -35,8 +35,8 @@ from edge_agent.serving import load_model, read_current
 from edge_agent.serving_gate import ServingGate
 from edge_agent.sources.base import held_out_mask, split
 from edgefl_protocol import downlink, messages, topics
-from models.architectures import build_model, set_weights
-from models.objectives import Objective
+from edgefl_models.architectures import build_model, set_weights
+from edgefl_models.objectives import Objective
 
 HOLDOUT = 0.2  # the agent's [data] holdout default
 PERSONALIZE = "prior"

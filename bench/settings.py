@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import datasets, partition
+from edgefl_models import datasets, partition
 
 from .fedsim import Federation
 

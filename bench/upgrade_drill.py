@@ -108,7 +108,7 @@ class Federation:
         from broker_coordinator.access.broker import COORDINATOR_USER
         from edgefl_protocol import signing
         from edgefl_protocol.settings import to_toml
-        from models import datasets, partition
+        from edgefl_models import datasets, partition
 
         data = datasets.load(DATASET)
         keys = {d: signing.new_key() for d in DEVICES}

@@ -50,9 +50,9 @@ from edgefl_protocol.algorithms.base import EXTRA_PREFIX
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.transport import Session
 from edgefl_protocol.version import software
-from models.architectures import get_weights, resolve, set_weights
-from models.datasets import DatasetError
-from models.objectives import Objective, format_score
+from edgefl_models.architectures import get_weights, resolve, set_weights
+from edgefl_models.datasets import DatasetError
+from edgefl_models.objectives import Objective, format_score
 
 from .conditions import Conditions, Reason
 from .config import AgentConfig

@@ -8,7 +8,7 @@ import sys
 
 from edgefl_protocol.settings import ConfigError
 from edgefl_protocol.transport import BrokerUnavailable
-from models.datasets import DatasetError
+from edgefl_models.datasets import DatasetError
 
 
 def main(argv: list[str] | None = None) -> int:

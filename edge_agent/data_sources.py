@@ -27,7 +27,7 @@ from edge_agent.sources.base import (TASKS, DataError, DataMismatch, DataSource,
 from edge_agent.sources.files import read_csv, read_npz
 from edge_agent.sources.images import ImageFolderSource
 from edge_agent.sources.spool import SpoolSource
-from models.datasets import Dataset
+from edgefl_models.datasets import Dataset
 
 __all__ = ["DataError", "DataMismatch", "DataSource", "LocalData", "check_fits", "open_source"]
 

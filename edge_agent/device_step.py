@@ -34,8 +34,8 @@ from edgefl_protocol import algorithms, codec, messages
 from edgefl_protocol.algorithms.base import Scalar
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.task_limits import check_training
-from models.datasets import Dataset
-from models.objectives import Objective
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective
 
 from . import dp_sgd
 from .hardware import plan_epochs

@@ -6,7 +6,7 @@ import torch
 
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
-from models.architectures import ModelError, build_model, fingerprint
+from edgefl_models.architectures import ModelError, build_model, fingerprint
 
 
 def installed_model(release: messages.ModelRelease) -> torch.nn.Module:

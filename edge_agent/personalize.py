@@ -20,8 +20,8 @@ import copy
 import numpy as np
 import torch
 
-from models.datasets import Dataset
-from models.objectives import Objective
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective
 
 MODES = ("off", "prior", "tune")
 BATCH = 32

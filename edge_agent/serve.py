@@ -249,7 +249,7 @@ class PredictionServer:
         return answer
 
     def _answer(self, line: bytes) -> dict[str, Any]:
-        from models.architectures import resolve
+        from edgefl_models.architectures import resolve
         try:
             request = json.loads(line)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.architectures import build_model, fingerprint
+from edgefl_models.architectures import build_model, fingerprint
 
 from .serving_store import CURRENT, METADATA, WEIGHTS, StoreError
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from edgefl_protocol import messages
-from models.datasets import Dataset
-from models.objectives import Objective, format_score
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective, format_score
 
 from .config import ServingSettings
 from .personalize import personalize

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from edgefl_protocol.algorithms.base import ClientRule, Scalar
-from models.architectures import get_weights
-from models.datasets import Dataset
-from models.objectives import Objective
+from edgefl_models.architectures import get_weights
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective
 
 from .dp_sgd import DeviceDP, noise_generator, per_example_model, private_backward
 from .optim import LocalSGD

@@ -48,7 +48,7 @@ class Task:
     broadcast: dict[str, Scalar] = field(default_factory=dict)
     codec: str = "float32"
     attempt: int = 1  # rounds are retried with a new cohort; an answer is for one attempt
-    task: str = "classification"  # what the model learns: classification | regression (models.objectives)
+    task: str = "classification"  # what the model learns: classification | regression (edgefl_models.objectives)
     loss: str = "cross_entropy"  # the loss to train with: cross_entropy | mse | mae
     evaluate: bool = False  # evaluate the received model on the held-out slice first (metrics eval_*)
     train: bool = True  # False: an evaluation-only round; answer with a `report`, no update
@@ -133,7 +133,7 @@ class ModelRelease:
     sha256: str
     chunks: int
     chunk_bytes: int
-    fingerprint: str = ""  # models.architectures.fingerprint: parameter names, shapes and dtypes
+    fingerprint: str = ""  # edgefl_models.architectures.fingerprint: parameter names, shapes and dtypes
     # downlink = "delta": [[v, first 16 hex digits of the sha256 of broadcast model v - 1], ...], one
     # per retained delta (see `delta_downlink`); a device holding one of those fetches deltas, not chunks
     chain: list = field(default_factory=list)

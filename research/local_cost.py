@@ -15,7 +15,7 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from edge_agent.device_step import local_settings
 from edge_agent.training import train_locally
 from edgefl_protocol import algorithms
-from models.architectures import build_model
+from edgefl_models.architectures import build_model
 
 from bench import fedsim, provenance, settings
 from bench.algorithms import BASELINES, CPU_SIZED, DEFAULT, MOMENTUM, RESULTS

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from broker_coordinator.settings.round_settings import RoundSettings
-from models import datasets, partition
+from edgefl_models import datasets, partition
 
 from bench import fedsim, provenance
 from bench.algorithm_jobs import RESULTS

@@ -15,7 +15,7 @@ from broker_coordinator.simulation.private_broker import PrivateBroker
 from broker_coordinator.simulation.processes import stop_processes
 from edgefl_protocol import signing
 from edgefl_protocol.settings import to_toml
-from models import datasets, partition
+from edgefl_models import datasets, partition
 
 ROOT = Path(__file__).resolve().parent.parent
 

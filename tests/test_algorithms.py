@@ -13,7 +13,7 @@ from edgefl_protocol import algorithms
 from edgefl_protocol.algorithms import drsam, dynsam, feddyn, fedprox, fedsam, fedsmoo
 from edgefl_protocol.algorithms.base import cosine
 from edgefl_protocol.errors import Rejected
-from models.datasets import Dataset
+from edgefl_models.datasets import Dataset
 
 H = {k: float(v) for k, v in drsam.DEFAULT_HPARAMS.items() if k != "weighting"}
 

@@ -70,7 +70,7 @@ def test_broker_packet_limit_is_the_largest_message_the_coordinator_accepts_or_s
     from broker_coordinator.settings import limits
     from broker_coordinator.settings.config import load_config
     from broker_coordinator.engine.loop import Engine
-    from models.datasets import Dataset
+    from edgefl_models.datasets import Dataset
 
     from .conftest import Recorder
     from .operator_fixtures import FEDERATION as FIELD

@@ -21,7 +21,7 @@ from broker_coordinator.settings import composition
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import messages
 from edgefl_protocol.settings import ConfigError, build_section
-from models import datasets
+from edgefl_models import datasets
 
 KEY = b"unit-test-key-0123456789abcdef01"
 DEVICES = ("d1", "d2", "d3")

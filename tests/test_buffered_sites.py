@@ -18,7 +18,7 @@ from broker_coordinator.engine.sync_rounds import SyncRounds
 from broker_coordinator.engine.tree import Sites, SiteSpec
 from edgefl_protocol import signing
 from edgefl_protocol.site_partials import encode_partial, make_partial
-from models import datasets
+from edgefl_models import datasets
 
 FED = "test"
 KEYS = {"north": signing.new_key(), "south": signing.new_key()}

@@ -101,7 +101,7 @@ def test_a_restarted_coordinator_remembers_which_devices_disagreed(tmp_path):
     from broker_coordinator.engine.loop import Engine
     from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
-    from models import datasets
+    from edgefl_models import datasets
 
     test = datasets.load("digits").test
     first = Engine("u", "digits_mlp", test, RoundSettings(), store=Store(tmp_path))

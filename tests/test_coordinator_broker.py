@@ -14,7 +14,7 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.in_memory import fold_round
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from edgefl_protocol import codec, messages, signing, topics
-from models import datasets
+from edgefl_models import datasets
 
 FED = "cb"
 

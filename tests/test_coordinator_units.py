@@ -83,7 +83,7 @@ def _coordinator_and_round(tmp_path, **settings):
     from broker_coordinator.engine.loop import Engine
     from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Store
-    from models import datasets
+    from edgefl_models import datasets
 
     c = Engine("u", "digits_mlp", datasets.load("digits").test, RoundSettings(codec="float32", **settings),
                     store=Store(tmp_path),
@@ -214,7 +214,7 @@ def test_served_average_is_an_ema_of_global_models_and_survives_a_checkpoint(tmp
 def test_coordinator_resumes_the_served_average_from_its_checkpoint(tmp_path):
     from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
-    from models import datasets
+    from edgefl_models import datasets
 
     test = datasets.load("digits").test
     first = Engine("u", "digits_mlp", test, RoundSettings(serve_average=0.5), store=Store(tmp_path))

@@ -16,7 +16,7 @@ from edge_agent.data_sources import DataError, DataMismatch, check_fits, open_so
 from edge_agent.sources import files, spool
 from edge_agent.sources.base import held_out_mask
 from edgefl_protocol.settings import ConfigError
-from models.datasets import Dataset, DatasetError
+from edgefl_models.datasets import Dataset, DatasetError
 
 SHAPE = (3, 8)
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from models import datasets
-from models.architectures import ARCHITECTURES, build_model, count_parameters, get_weights
+from edgefl_models import datasets
+from edgefl_models.architectures import ARCHITECTURES, build_model, count_parameters, get_weights
 
 
 def test_synthetic_matches_the_fedprox_recipe():

@@ -266,7 +266,7 @@ def test_the_agent_says_when_it_may_not_train_republishes_on_change_only_and_ref
 
     from edge_agent.agent import Agent
     from edgefl_protocol import signing
-    from models import datasets
+    from edgefl_models import datasets
 
     data = datasets.load("digits")
     datasets.save_npz(tmp_path / "data.npz", data.train.subset(np.arange(50)))

@@ -22,7 +22,7 @@ from broker_coordinator.storage.store import Store
 from edgefl_protocol import messages, protocol, signing, topics
 from edgefl_protocol.settings import to_toml
 from edgefl_protocol.transport import connect, make_client
-from models import datasets, partition
+from edgefl_models import datasets, partition
 
 from .conftest import Recorder
 from .fleet import spawn, write_agent

@@ -10,8 +10,8 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.fleet import PROFILES
 from edge_agent.device_step import Budget, agent_seed, device_step
 from edgefl_protocol import codec, messages, signing
-from models import datasets
-from models.architectures import build_model, set_weights
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model, set_weights
 
 KEY = signing.new_key()
 

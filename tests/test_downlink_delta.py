@@ -18,8 +18,8 @@ from edgefl_protocol import delta_downlink as dd
 from edgefl_protocol import downlink, messages, signing, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.persist import unpack
-from models import datasets
-from models.architectures import build_model, get_weights
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model, get_weights
 
 MAX_VALUES = 1_000_000
 

@@ -15,8 +15,8 @@ from edge_agent.agent import local_settings
 from edge_agent.training import LocalSettings, train_locally
 from edgefl_protocol import algorithms
 from edgefl_protocol.errors import Rejected
-from models import datasets
-from models.architectures import build_model
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model
 from .fleet import simulate_with_config
 
 pytest.importorskip("opacus")

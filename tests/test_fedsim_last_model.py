@@ -6,9 +6,9 @@ import numpy as np
 
 from bench.fedsim import Federation, run
 from broker_coordinator.settings.round_settings import RoundSettings
-from models import datasets
-from models.architectures import build_model, set_weights
-from models.objectives import Objective
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model, set_weights
+from edgefl_models.objectives import Objective
 
 
 def _federation() -> Federation:

@@ -9,8 +9,8 @@ from torch import nn
 from edge_agent.settlement import owed
 from edge_agent.training import LocalSettings, train_locally
 from edgefl_protocol import algorithms, codec
-from models.architectures import get_weights, set_weights
-from models.datasets import Dataset
+from edgefl_models.architectures import get_weights, set_weights
+from edgefl_models.datasets import Dataset
 
 
 def model() -> nn.Module:

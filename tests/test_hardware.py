@@ -6,7 +6,7 @@ import torch
 
 from edge_agent import hardware
 from edge_agent.hardware import MAX_EPOCHS, MIN_EPOCHS, calibrate, default_threads, plan_epochs, probe
-from models.architectures import ARCHITECTURES, build_model
+from edgefl_models.architectures import ARCHITECTURES, build_model
 
 
 def test_probe_reports_the_basics():

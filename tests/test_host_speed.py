@@ -52,5 +52,5 @@ def test_pin_writes_what_pinned_reads(tmp_path, monkeypatch):
 
 
 def test_the_committed_pin_covers_every_built_in_model():
-    from models.architectures import ARCHITECTURES
+    from edgefl_models.architectures import ARCHITECTURES
     assert set(ARCHITECTURES) <= set(host_speed.pinned())

@@ -6,7 +6,7 @@ import numpy as np
 
 from bench.inmemory import InMemoryFederation
 from broker_coordinator.settings.round_settings import RoundSettings
-from models import datasets
+from edgefl_models import datasets
 
 
 def _weights_after_two_rounds(seed: int) -> list[np.ndarray]:

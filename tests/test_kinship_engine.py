@@ -18,7 +18,7 @@ from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
 from broker_coordinator.simulation.in_memory import fold_round
 from edgefl_protocol import codec, messages, signing
 from edgefl_protocol.site_partials import SiteTask, encode_center
-from models import datasets
+from edgefl_models import datasets
 
 FED, ARCH = "test", "digits_mlp"
 HONEST, ACCOMPLICES = [f"h{i}" for i in range(8)], ["k0", "k1"]

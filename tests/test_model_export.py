@@ -23,8 +23,8 @@ from broker_coordinator.storage import export as export_mod
 from broker_coordinator.storage.store import Store, StoreError
 from broker_coordinator.storage.tasks import TaskDefinition, Tasks
 from edgefl_protocol import codec, messages, signing
-from models import datasets
-from models.architectures import build_model, fingerprint, set_weights
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model, fingerprint, set_weights
 
 FED, ARCH, ROUNDS = "exp", "digits_mlp", 3
 DEVICES = [f"d{i}" for i in range(4)]

@@ -20,7 +20,7 @@ from broker_coordinator.settings import composition
 from broker_coordinator.simulation.in_memory import fold_partials, fold_round
 from edgefl_protocol import codec, messages, signing
 from edgefl_protocol.site_partials import SiteTask, encode_center, encode_partial
-from models import datasets
+from edgefl_models import datasets
 
 FED = "test"
 ARCH = "digits_mlp"

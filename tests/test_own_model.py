@@ -15,9 +15,9 @@ from broker_coordinator.engine.rounds import Round
 from broker_coordinator.simulation.in_memory import fold_round
 from edgefl_protocol import messages
 from edgefl_protocol.errors import Rejected
-from models.architectures import ModelError, build_model, fingerprint, resolve
-from models.datasets import Dataset
-from models.objectives import Objective
+from edgefl_models.architectures import ModelError, build_model, fingerprint, resolve
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective
 
 KEY = b"unit-test-key-0123456789abcdef01"
 
@@ -146,7 +146,7 @@ def _coordinator(tmp_path, objective=Objective(), test=True, **settings):
     from broker_coordinator.engine.loop import Engine
     from broker_coordinator.settings.round_settings import RoundSettings
     from broker_coordinator.storage.store import Store
-    from models import datasets
+    from edgefl_models import datasets
 
     test_set = datasets.load("digits").test if test else None
     return Engine("u", "digits_mlp", test_set, RoundSettings(codec="float32", **settings), store=Store(tmp_path),
@@ -260,7 +260,7 @@ def test_devices_with_broken_data_refuse_each_round_while_the_others_train_and_e
     import json
     import subprocess
 
-    from models import datasets
+    from edgefl_models import datasets
 
     digits = datasets.load("digits").train
     devices = tmp_path / "devices"

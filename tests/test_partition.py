@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from models import partition
+from edgefl_models import partition
 
 
 def labels(n_per_class: int = 100, classes: int = 10) -> np.ndarray:

@@ -139,7 +139,7 @@ def test_an_agent_of_this_release_trains_for_a_coordinator_of_the_previous_one(t
     from broker_coordinator.simulation.private_broker import PrivateBroker
     from broker_coordinator.simulation.processes import stop_processes
     from edgefl_protocol import signing
-    from models import datasets
+    from edgefl_models import datasets
 
     from .fleet import spawn
 

@@ -19,7 +19,7 @@ from broker_coordinator.settings.round_settings import RoundSettings  # noqa: E4
 from broker_coordinator.engine.rounds import RoundState  # noqa: E402
 from broker_coordinator.settings.privacy_settings import PrivacySettings  # noqa: E402
 from edgefl_protocol import messages  # noqa: E402
-from models import datasets  # noqa: E402
+from edgefl_models import datasets  # noqa: E402
 
 KEY = b"unit-test-key-0123456789abcdef01"
 DEVICES = [f"d{i}" for i in range(6)]

@@ -33,7 +33,7 @@ from edgefl_protocol.site_partials import (  # noqa: E402
     encode_partial,
     encode_site_task,
 )
-from models import datasets  # noqa: E402
+from edgefl_models import datasets  # noqa: E402
 
 from .test_sites import ARCH, FED, signed_update  # noqa: E402
 

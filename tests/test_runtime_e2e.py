@@ -22,7 +22,7 @@ from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing, topics
 from edgefl_protocol.settings import to_toml
 from edgefl_protocol.transport import connect, make_client
-from models.architectures import build_model, get_weights
+from edgefl_models.architectures import build_model, get_weights
 
 from .fleet import Fleet, spawn, write_test_set
 
@@ -103,7 +103,9 @@ def test_broker_restart_mid_round_and_training_continues(fleet_broker, tmp_path)
                                    min_updates=1, round_timeout=30)
     try:
         coordinator.wait_for_devices(2, 120)
-        records = [coordinator.run_round(r) for r in (1, 2, 3, 4)]
+        records = [coordinator.run_round(r) for r in (1, 2, 3)]
+        coordinator.wait_for_devices(2, 120)  # both agents back online after the broker's restart (their backoff)
+        records.append(coordinator.run_round(4))
         assert [r.closed != "abandoned" for r in records] == [True] * 4
         assert coordinator.version == 4
         assert coordinator.transport.session.reconnects >= 1

@@ -279,7 +279,7 @@ def test_update_from_a_revoked_device_is_rejected_by_the_coordinator(server):
     from broker_coordinator.engine.loop import Engine
     from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import codec, messages
-    from models.datasets import Dataset
+    from edgefl_models.datasets import Dataset
 
     pa, pb = enrolled(server, "dev-a"), enrolled(server, "dev-b")
     registry = Registry(server.config.registry_path)
@@ -328,7 +328,7 @@ def test_a_device_revoked_during_a_round_leaves_it_at_once(server):
     from broker_coordinator.engine.rounds import RoundState
     from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import codec, messages
-    from models.datasets import Dataset
+    from edgefl_models.datasets import Dataset
 
     pa, pb = enrolled(server, "dev-a"), enrolled(server, "dev-b")
     registry = Registry(server.config.registry_path)

@@ -22,7 +22,7 @@ import torch
 from edge_agent.serve import MAX_SAMPLES, NO_MODEL
 from edge_agent.serving import ServeError, predict_over_socket
 from edge_agent.serving_store import ServingStore
-from models.architectures import build_model, fingerprint
+from edgefl_models.architectures import build_model, fingerprint
 
 from .test_systemd import ANALYZE, SYSTEMD, directives, needs_analyze, verify
 

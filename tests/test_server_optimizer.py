@@ -21,7 +21,7 @@ from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, messages, signing
 from edgefl_protocol.settings import ConfigError, build_section
 from edgefl_protocol.site_partials import SiteTask, encode_partial
-from models import datasets
+from edgefl_models import datasets
 
 FED, ARCH = "test", "digits_mlp"
 SIMPLE = dict(algorithm="fedavg", codec="float32", aggregator="mean", norm_bound=0, weighting="reported", round_timeout=60)
@@ -312,7 +312,7 @@ def test_without_a_rule_of_its_own_the_split_changes_nothing():
 
 def test_feddyn_with_server_momentum_runs_and_converges_on_a_small_problem():
     from bench.inmemory import InMemoryFederation
-    from models import partition
+    from edgefl_models import partition
     data = datasets.load("digits")
     clients = [data.train.subset(p) for p in partition.split("dirichlet:0.3", data.train.y, 10, 0)]
     # the plain mean: this checks the server optimizer's path; on 10 devices of Dirichlet(0.3) digits the

@@ -14,7 +14,7 @@ from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.simulation.in_memory import fold_round
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, downlink, messages, signing, topics
-from models import datasets
+from edgefl_models import datasets
 
 FED = "srv"
 DEVICES = ("d1", "d2", "d3")

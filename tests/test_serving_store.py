@@ -28,9 +28,9 @@ from edge_agent.serving_gate import ServingGate
 from edge_agent.serving_store import CURRENT, METADATA, WEIGHTS, ServingStore, StoreError
 from edgefl_protocol import messages
 from edgefl_protocol.settings import to_toml
-from models import datasets
-from models.architectures import build_model, fingerprint
-from models.objectives import Objective
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model, fingerprint
+from edgefl_models.objectives import Objective
 
 from .fleet import ROOT, Fleet
 

@@ -33,7 +33,7 @@ from edgefl_protocol.site_partials import (
     encode_site_task,
 )
 from edgefl_protocol.transport import connect, make_client
-from models import datasets
+from edgefl_models import datasets
 
 from .conftest import Recorder, flush
 

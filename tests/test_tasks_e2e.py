@@ -241,7 +241,7 @@ def test_a_state_directory_of_the_previous_release_keeps_its_devices_and_resumes
     bare `Store` writes one, the devices in its registry."""
     from broker_coordinator.engine.loop import Engine
     from broker_coordinator.settings.round_settings import RoundSettings
-    from models.datasets import load_npz
+    from edgefl_models.datasets import load_npz
 
     config = load_config(federation.config)
     registry = Registry(config.registry_path)

@@ -265,7 +265,7 @@ def test_a_root_reference_replaces_the_median():
 def test_root_reference_needs_root_data():
     from broker_coordinator.engine.loop import Engine
     from broker_coordinator.settings.round_settings import RoundSettings
-    from models import datasets
+    from edgefl_models import datasets
     with pytest.raises(ValueError, match="root_data"):
         Engine("u", "digits_mlp", datasets.load("digits").test, RoundSettings(reference="root"))
 

@@ -18,8 +18,8 @@ from broker_coordinator.simulation.simulate import SimulationSpec, spawn_agent, 
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
 from edgefl_protocol import codec, downlink, messages, signing, topics
-from models import datasets
-from models.architectures import build_model, get_weights
+from edgefl_models import datasets
+from edgefl_models.architectures import build_model, get_weights
 
 from .conftest import FEDERATION
 

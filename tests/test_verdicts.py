@@ -32,7 +32,7 @@ from edge_agent.delivery import Delivery
 from edge_agent.settlement import Sent, Settlement
 from edge_agent.state import DeviceState
 from edgefl_protocol import codec, messages, signing
-from models import datasets
+from edgefl_models import datasets
 
 FED = "vd"
 KEY = signing.new_key()

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.architectures import build_model, get_weights, set_weights
-from models.datasets import Dataset
+from edgefl_models.architectures import build_model, get_weights, set_weights
+from edgefl_models.datasets import Dataset
 
 
 def root_direction(arch: str, weights: Mapping[str, np.ndarray], root: Dataset, names: list[str],

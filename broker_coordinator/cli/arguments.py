@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from edgefl_protocol import topics
-from models import partition
+from edgefl_models import partition
 
 
 def bounded(kind: type, low: float, high: float | None = None):  # noqa: ANN202

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from broker_coordinator.storage.store import StoreError
     from edgefl_protocol.settings import ConfigError
     from edgefl_protocol.transport import BrokerUnavailable
-    from models.datasets import DatasetError
+    from edgefl_models.datasets import DatasetError
 
     errors: tuple[type[BaseException], ...] = (BrokerError, BrokerUnavailable, ConfigError, DatasetError,
                                                RegistryError, StateLocked, StoreError, ValueError, TimeoutError,

@@ -26,8 +26,8 @@ from broker_coordinator.settings.config import CoordinatorConfig
 from broker_coordinator.storage.statelock import StateLock
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import signing
-from models.datasets import load_npz
-from models.objectives import Objective
+from edgefl_models.datasets import load_npz
+from edgefl_models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator")
 DEVICE_KEYS = "device_keys.toml"  # devices provisioned by hand: device = "hex HMAC key", in the state dir

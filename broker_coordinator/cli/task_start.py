@@ -24,8 +24,8 @@ RETIRED_VERSIONS = 32
 
 def task_definition(config: CoordinatorConfig) -> TaskDefinition:
     """What the config's task is (storage/tasks.py says why these keys and no others)."""
-    from models.architectures import build_model, fingerprint
-    from models.objectives import Objective
+    from edgefl_models.architectures import build_model, fingerprint
+    from edgefl_models.objectives import Objective
     fed = config.federation
     objective = Objective.of(fed.task, fed.loss)
     test_data = file_sha256(fed.test_data) if fed.test_data else ""

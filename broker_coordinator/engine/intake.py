@@ -42,7 +42,7 @@ from broker_coordinator.storage.verdict_journal import VerdictJournal
 from edgefl_protocol import codec, messages, topics
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.sparse_delta import sparse_only
-from models.objectives import Objective
+from edgefl_models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator")
 # an accepted update, judged: (delta, weight, steps, the weight's note, its norm if the hard bound took it)

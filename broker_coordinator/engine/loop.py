@@ -67,9 +67,9 @@ from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.storage.store import Checkpoint, Store, model_sha256
 from broker_coordinator.storage.verdict_journal import VerdictJournal
 from edgefl_protocol import OLDEST_SCHEMA, algorithms, codec, delta_downlink, messages, protocol, topics
-from models.architectures import build_model, fingerprint, get_weights, set_weights
-from models.datasets import Dataset
-from models.objectives import Evaluation, Objective
+from edgefl_models.architectures import build_model, fingerprint, get_weights, set_weights
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Evaluation, Objective
 
 log = logging.getLogger("broker_coordinator")
 FoldFactory = Callable[[], "tuple[Fold, StreamingMean | None]"]

@@ -19,7 +19,7 @@ from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.engine.rounds import Round
 from broker_coordinator.reporting.evaluation import federated_score
 from broker_coordinator.settings.round_settings import RoundRecord
-from models.objectives import Evaluation, Objective
+from edgefl_models.objectives import Evaluation, Objective
 
 log = logging.getLogger("broker_coordinator")
 

@@ -77,8 +77,8 @@ from edgefl_protocol.site_partials import (
     summarize,
 )
 from edgefl_protocol.topics import site_topic
-from models.architectures import build_model, get_weights
-from models.objectives import Objective
+from edgefl_models.architectures import build_model, get_weights
+from edgefl_models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",

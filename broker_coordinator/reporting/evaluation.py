@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from models.datasets import Dataset
-from models.objectives import Objective
+from edgefl_models.datasets import Dataset
+from edgefl_models.objectives import Objective
 
 
 def evaluate(model: nn.Module, data: Dataset, batch_size: int = 1000) -> tuple[float, float]:

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from models.objectives import format_score
+from edgefl_models.objectives import format_score
 
 
 def write_history(path: Path, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 
     [federation]
     name = "default"
-    model = "mnist_cnn"                  # a built-in (models.architectures) or your own: "package.module:factory"
+    model = "mnist_cnn"                  # a built-in (edgefl_models.architectures) or your own: "package.module:factory"
     task = "classification"              # classification | regression
     loss = ""                            # regression: mse (default) | mae; classification: cross_entropy
     test_data = "/var/lib/edgefl-coordinator/test.npz"   # held-out set (arrays x, y); "" = none: the devices
@@ -137,7 +137,7 @@ class FederationSettings:
     def validate(self) -> None:
         topics.check_name("federation", self.name)
         protocol.serves(self.min_protocol)  # raises ValueError naming the versions this release speaks
-        from models.objectives import Objective
+        from edgefl_models.objectives import Objective
         Objective.of(self.task, self.loss)  # raises ValueError naming the task or the loss
         if self.rounds < 0:
             raise ValueError("rounds must be >= 0 (0 = run until stopped)")
@@ -265,7 +265,7 @@ def load_config(path: Path | str, with_rounds: bool = True) -> CoordinatorConfig
     federation = section(FederationSettings, "federation")
     if with_rounds:
         from broker_coordinator.settings.round_config import read_rounds
-        from models.architectures import ModelError, resolve
+        from edgefl_models.architectures import ModelError, resolve
         try:
             resolve(federation.model)
         except ModelError as exc:

@@ -30,7 +30,7 @@ def federation_update_cap(arch: str, rounds: Any = None) -> int:
     without a running coordinator. Imports torch (it builds the model to learn its shapes)."""
     from broker_coordinator.settings.round_settings import RoundSettings
     from edgefl_protocol import algorithms, codec
-    from models.architectures import build_model, get_weights
+    from edgefl_models.architectures import build_model, get_weights
     settings = rounds if rounds is not None else RoundSettings()
     specs = codec.specs_of(get_weights(build_model(arch)))
     extra = algorithms.get(settings.algorithm).server(settings.task_hparams(1)).extra_specs(specs)

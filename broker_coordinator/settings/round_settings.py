@@ -172,7 +172,7 @@ class RoundRecord:
     clipped: dict[str, int] = field(default_factory=dict)  # {"norm": n, "weight": m}: bounded, not rejected
     refused: dict[str, str] = field(default_factory=dict)  # device -> why it refused the task
     reason: str = ""
-    metric: str = "accuracy"  # the task's metric (models.objectives): accuracy, mse or mae
+    metric: str = "accuracy"  # the task's metric (edgefl_models.objectives): accuracy, mse or mae
     score: float = float("nan")  # the central evaluation's metric; NaN without a test set
     # the devices' evaluation of the model this round started from, sample-weighted:
     # {"metric", "score", "loss", "count", "devices", "model_version"}; {} when devices did not evaluate

@@ -42,8 +42,8 @@ from broker_coordinator.storage.store import Store
 from edgefl_protocol import signing
 from edgefl_protocol.persist import atomic_write
 from edgefl_protocol.settings import ConfigError, read_toml, to_toml
-from models import datasets, partition
-from models.objectives import Objective
+from edgefl_models import datasets, partition
+from edgefl_models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.simulation.simulate")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

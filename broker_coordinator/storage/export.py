@@ -10,7 +10,7 @@ coordinator evaluates and reports. The served one is exported unless `last` is a
 An export is a directory: the model file and `metadata.json` beside it:
 
     model.pt       format "state_dict": torch.save of the model's state_dict; load it into
-                   models.architectures.build_model(architecture), or the plug-in's factory
+                   edgefl_models.architectures.build_model(architecture), or the plug-in's factory
     model.ts       format "torchscript": the model traced with one sample of its input shape
     model.onnx     format "onnx": torch.onnx.export, the batch dimension dynamic (needs `onnx`)
     metadata.json  version, round, task, score and metric, architecture, input shape, label names,
@@ -149,7 +149,7 @@ def export_model(state_dir: Path | str, version: int | None, out: Path | str, fm
     weights = ckpt.served if which == "served" else ckpt.weights
 
     import torch  # only now: `model list` and the refusals above stay quick
-    from models.architectures import ModelError, build_model, fingerprint, resolve, set_weights
+    from edgefl_models.architectures import ModelError, build_model, fingerprint, resolve, set_weights
     try:
         arch = resolve(ckpt.arch)
         model = build_model(ckpt.arch)

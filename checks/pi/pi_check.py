@@ -200,7 +200,7 @@ IMPORT_PROBE = """
 import json, platform, sys, time
 import numpy, torch
 import edge_agent.agent, edge_agent.hardware as hw
-from models.architectures import build_model
+from edgefl_models.architectures import build_model
 print(json.dumps({"python": platform.python_version(), "machine": platform.machine(), "torch": torch.__version__,
                   "cuda": torch.version.cuda, "numpy": numpy.__version__, "lse_atomics": not hw._aarch64_without_atomics(),
                   "default_threads_4_cores": hw.default_threads(4), "probe": hw.probe()}))

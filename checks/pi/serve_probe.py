@@ -101,7 +101,7 @@ def test_inputs(n: int):
     """The first n samples (cycled) of the digits test set, the federation's data, and their labels."""
     import numpy as np
 
-    from models.datasets import load
+    from edgefl_models.datasets import load
     test = load("digits").test
     index = np.arange(n) % len(test)
     return test.x[index], test.y[index]

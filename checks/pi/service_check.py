@@ -190,7 +190,7 @@ round_timeout = 120.0
 
 def write_data(root: Path) -> None:
     """The coordinator's held-out set and the device's own data, from the bundled MNIST-5k."""
-    from models import datasets
+    from edgefl_models import datasets
     data = datasets.load("mnist5k")
     tmp = root / "root"
     np.savez(tmp / "test.npz", x=data.test.x[:300], y=data.test.y[:300])

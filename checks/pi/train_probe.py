@@ -34,8 +34,8 @@ DATASETS = {"mnist_cnn": "mnist5k", "mnist_mlp": "mnist5k", "digits_mlp": "digit
 
 def make_inputs(model_name: str, path: Path) -> None:
     """The model's initial weights (seed 0) and 20 batches of its own dataset, drawn with seed 0."""
-    from models import datasets
-    from models.architectures import build_model, get_weights
+    from edgefl_models import datasets
+    from edgefl_models.architectures import build_model, get_weights
     train = datasets.load(DATASETS[model_name]).train
     index = np.random.default_rng(0).choice(len(train.y), STEPS * BATCH, replace=len(train.y) < STEPS * BATCH)
     x = train.x[index].reshape(STEPS, BATCH, *train.x.shape[1:]).astype(np.float32)
@@ -47,7 +47,7 @@ def make_inputs(model_name: str, path: Path) -> None:
 def train(inputs: Path, threads: int) -> dict:
     from edge_agent.optim import LocalSGD
     from edge_agent.training import forward_backward
-    from models.architectures import build_model, set_weights
+    from edgefl_models.architectures import build_model, set_weights
 
     torch.set_num_threads(threads)
     data = np.load(inputs)
@@ -76,7 +76,7 @@ def local_round(model: nn.Module, x: np.ndarray, y: np.ndarray, private: bool) -
     from edge_agent import dp_sgd
     from edge_agent.training import LocalSettings, train_locally
     from edgefl_protocol import algorithms
-    from models.datasets import Dataset
+    from edgefl_models.datasets import Dataset
 
     dp = dp_sgd.DeviceDP(DP_NOISE, DP_CLIP, 1e-5) if private else None
     settings = LocalSettings(epochs=1, batch_size=BATCH, lr=0.05, dp=dp)
@@ -94,7 +94,7 @@ def local_round(model: nn.Module, x: np.ndarray, y: np.ndarray, private: bool) -
 
 
 def local_round_from(inputs: Path, private: bool) -> dict:
-    from models.architectures import build_model, set_weights
+    from edgefl_models.architectures import build_model, set_weights
 
     data = np.load(inputs)
     model = build_model(str(data["model"]))

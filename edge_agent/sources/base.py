@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from models.datasets import Dataset, DatasetError
+from edgefl_models.datasets import Dataset, DatasetError
 
 TASKS = ("classification", "regression")
 

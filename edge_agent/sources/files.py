@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.sources.base import DataError
-from models.datasets import Dataset
+from edgefl_models.datasets import Dataset
 
 MAX_FILE_BYTES = 256 << 20  # a bigger file (or npz members that inflate past it) is refused, not loaded
 

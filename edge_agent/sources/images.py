@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.sources.base import DataError, LocalData, held_out_mask, split
-from models.datasets import Dataset
+from edgefl_models.datasets import Dataset
 
 log = logging.getLogger("edge_agent.data")
 

@@ -42,7 +42,7 @@ import numpy as np
 from edge_agent.sources.base import DataError, LocalData, held_out_mask
 from edge_agent.sources.files import MAX_FILE_BYTES, read_file
 from edgefl_protocol.persist import atomic_write, pack, unpack
-from models.datasets import Dataset
+from edgefl_models.datasets import Dataset
 
 log = logging.getLogger("edge_agent.data")
 STATE_FILE = "spool.msgpack"
