@@ -463,3 +463,83 @@ def test_revoke_says_so_when_the_broker_cannot_be_reloaded(server, coordinator_c
     _one_line_error(result, "pi-07 is revoked in the registry")
     assert "systemctl reload mosquitto" in result.stderr
     assert Registry(server.config.registry_path).require("pi-07").state == REVOKED
+
+
+def private_ca(directory: Path) -> tuple[Path, Path]:
+    """A CA as docs/CERTIFICATES.md makes one (its commands, shortened validity)."""
+    import shutil
+    import subprocess
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (CI installs it: apt-get install openssl)")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "edgefl-ca.crt", directory / "edgefl-ca.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "30", "-subj", "/CN=EdgeFL CA", "-keyout", str(ca_key), "-out", str(ca)],
+                   check=True, capture_output=True, timeout=60)
+    return ca, ca_key
+
+
+def server_certificate(directory: Path, ca: Path, ca_key: Path) -> tuple[Path, Path]:
+    """A broker certificate signed by the CA (a new key each time: a renewal)."""
+    import shutil
+    import subprocess
+    openssl = shutil.which("openssl")
+    cert, key, request = directory / "broker.crt", directory / "broker.key", directory / "broker.csr"
+    subprocess.run([openssl, "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(request)],
+                   check=True, capture_output=True, timeout=60)
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    subprocess.run([openssl, "x509", "-req", "-in", str(request), "-CA", str(ca), "-CAkey", str(ca_key),
+                    "-CAcreateserial", "-days", "7", "-extfile", str(directory / "san.ext"), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_a_renewed_broker_certificate_from_the_same_ca_keeps_enrolled_devices_connecting(tmp_path):
+    """Devices pin the CA (its fingerprint in the token, its file in agent.toml), not the broker's
+    certificate: a new certificate and key from the same CA, and a reload of Mosquitto, need no
+    device to enroll again."""
+    import signal
+    import ssl
+
+    from broker_coordinator.access.broker import free_port
+
+    from .operator_fixtures import start_server, stop_server
+    pki = tmp_path / "pki"
+    ca, ca_key = private_ca(pki)
+    cert, key = server_certificate(pki, ca, ca_key)
+    device_port = free_port()
+    server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"\ntls_ca = "{ca}"',
+                          device_port=device_port)
+    try:
+        from broker_coordinator.access.enrollment import EnrollmentDesk
+        client = ops.coordinator_client(server.config, "desk")
+        connect(client, "127.0.0.1", server.port, timeout=10)
+        desk = EnrollmentDesk(server.config, ops.open_registry(server.config))
+        desk.attach(client)
+        text = server.add("pi-07")
+        assert proto.decode_token(text).ca_sha256 == ops.ca_fingerprint(str(ca))
+        enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path), ca_file=ca)  # --ca-file
+        agent = load_agent_config(tmp_path / "etc" / "agent.toml")
+        assert Path(agent.broker.tls_ca).read_text() == ca.read_text()  # the CA, not the broker's certificate
+
+        def presented() -> str:
+            return ssl.get_server_certificate(("127.0.0.1", device_port))
+
+        before = presented()
+        server_certificate(pki, ca, ca_key)  # renewed in place: a new key, the same CA
+        server.process.send_signal(signal.SIGHUP)  # `systemctl reload mosquitto`
+        give_up = time.monotonic() + 30
+        while presented() == before:
+            assert time.monotonic() < give_up, "Mosquitto still presents the old certificate after a reload"
+            time.sleep(0.2)
+        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, tls_ca=agent.broker.tls_ca)
+        connect(secure, "127.0.0.1", device_port, timeout=5)  # verified against the pinned CA: no new enrollment
+        secure.disconnect()
+        secure.loop_stop()
+        desk.stop()
+        client.disconnect()
+        client.loop_stop()
+    finally:
+        stop_server(server)
