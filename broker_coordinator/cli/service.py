@@ -41,8 +41,11 @@ def run(config: CoordinatorConfig, echo: Callable[[str], None] = print) -> int:
     objective = Objective.of(fed.task, fed.loss)
     test_set = load_npz(fed.test_data, fed.task) if fed.test_data else None
     metrics = Metrics()
-    if config.metrics.port:
-        metrics.serve(config.metrics.port, config.metrics.bind)
+    if config.metrics.port:  # Prometheus' /metrics, and the dashboard's page on the same port
+        from broker_coordinator.engine.fleet_view import fleet_snapshot
+        metrics.serve(config.metrics.port, config.metrics.bind,
+                      lambda: fleet_snapshot(config.storage.state_dir, fed.name, serves(fed.min_protocol),
+                                             lambda: _revoked(config)))
     keys = signing.read_key_file(f"{config.storage.state_dir}/{DEVICE_KEYS}")  # a fleet provisioned by hand
     lock = StateLock(config.storage.state_dir).acquire("start the coordinator")
     task = begin_task(config)  # a changed task definition archives the task and starts a new one

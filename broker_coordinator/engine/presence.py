@@ -178,7 +178,7 @@ class SitePresence:
         return sum(count_of(p, "samples") for p in self.online.values())
 
 
-def _profile(profile: Mapping[str, Any] | str | None) -> Mapping[str, Any]:
+def parse_profile(profile: Mapping[str, Any] | str | None) -> Mapping[str, Any]:
     """A status profile, or the JSON text of one the store keeps ({} for anything else)."""
     if isinstance(profile, str):
         try:
@@ -190,7 +190,7 @@ def _profile(profile: Mapping[str, Any] | str | None) -> Mapping[str, Any]:
 
 def agent_release(profile: Mapping[str, Any] | str | None) -> str:
     """The release a device's agent says it runs (from its status profile, or the store's JSON text)."""
-    value = _profile(profile).get("agent")
+    value = parse_profile(profile).get("agent")
     return value if isinstance(value, str) and value else UNKNOWN
 
 
@@ -199,7 +199,7 @@ def ineligible_because(profile: Mapping[str, Any] | str | None,
     """Why a device's status profile (or the JSON text of one the store keeps) says it may not train
     now (`eligible` false, and its `why`), or that its agent speaks no protocol version `serves` holds;
     None when it may."""
-    profile = _profile(profile)
+    profile = parse_profile(profile)
     speaks = protocol.announced(profile)
     if protocol.choose(speaks, serves) is None:
         return (f"its agent speaks protocol {','.join(map(str, speaks))}, the coordinator serves "

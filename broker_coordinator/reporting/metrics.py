@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
 
@@ -65,5 +67,8 @@ class Metrics:
         self.tracking_failures = Counter("edgefl_tracking_failures", "Writes to a run tracker (TensorBoard, "
                                          "MLflow) that failed; the rounds go on", ["sink"], registry=r)
 
-    def serve(self, port: int, bind: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=bind, registry=self.registry)
+    def serve(self, port: int, bind: str = "127.0.0.1",
+              snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+        """/metrics on `port`; with `snapshot`, the dashboard too (/ and /fleet.json: reporting/dashboard.py)."""
+        from .dashboard import MetricsServer
+        self.server = MetricsServer(self.registry, port, bind, snapshot)

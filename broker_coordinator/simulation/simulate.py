@@ -224,9 +224,13 @@ def simulate(spec: SimulationSpec, settings: RoundSettings, echo=print, spawn=sp
     churn: fleet.Churn | None = None
     with contextlib.ExitStack() as running:
         metrics = Metrics()
-        if spec.metrics_port:
-            metrics.serve(spec.metrics_port)
-            echo(f"Prometheus metrics on http://127.0.0.1:{spec.metrics_port}/metrics")
+        if spec.metrics_port:  # Prometheus' /metrics and the dashboard (/) on one port
+            from broker_coordinator.engine.fleet_view import fleet_snapshot
+            from edgefl_protocol.protocol import SPOKEN
+            metrics.serve(spec.metrics_port, snapshot=lambda: fleet_snapshot(run_dir / "coordinator", spec.federation,
+                                                                             SPOKEN))
+            echo(f"the dashboard on http://127.0.0.1:{spec.metrics_port}/ and Prometheus metrics on "
+                 f"http://127.0.0.1:{spec.metrics_port}/metrics")
         tracker = RunTracker.start(spec.tracking, spec.federation,
                                    {"simulation": {**vars(spec), "tracking": None}, "rounds": settings}, metrics)
         if tracker:  # a run that fails is closed as FAILED; one that finishes, below with its files

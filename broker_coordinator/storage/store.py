@@ -295,7 +295,8 @@ class Store:
             "(SELECT COUNT(*) FROM device_rounds d WHERE d.device = p.device AND d.accepted = 1) AS rounds, "
             + ", ".join(f"(SELECT COUNT(*) FROM device_rounds d WHERE d.device = p.device AND d.accepted = 1 "
                         f"AND {where}) AS {name}" for name, where in VERDICT_COUNTS.items())
-            + " FROM presence p ORDER BY p.device")
+            + ", (SELECT d.verdict FROM device_rounds d WHERE d.device = p.device ORDER BY d.rowid DESC LIMIT 1) "
+              "AS last_verdict FROM presence p ORDER BY p.device")
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row)) for row in cursor.fetchall()]
 
