@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from edgefl_protocol import messages
+from edgefl_models.architectures import resolve
 from edgefl_models.datasets import Dataset
 from edgefl_models.objectives import Objective, format_score
 
@@ -99,12 +100,14 @@ class ServingGate:
         score = None if new_score is None else {"metric": objective.metric, "value": new_score,
                                                 "count": len(held_out)}
         state = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+        shape = resolve(release.arch).input_shape  # for model.onnx (a plug-in says its own)
         self.store.publish(release.version, state, {
             "round": round_, "architecture": release.arch, "fingerprint": release.fingerprint,
             "release_sha256": release.sha256, "task": objective.task, "score": score,
             "personalized": None if released_score is None else {
                 "how": self.settings.personalize, "released_score": released_score,
-                **({"steps": self.settings.personalize_steps} if self.settings.personalize == "tune" else {})}})
+                **({"steps": self.settings.personalize_steps} if self.settings.personalize == "tune" else {})}},
+            onnx_of=(model.eval(), tuple(shape)))
         return Decision(release.version, True, current, objective.metric, new_score, current_score, released_score)
 
     def _cannot_personalize(self, mode: str) -> None:

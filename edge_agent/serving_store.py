@@ -1,8 +1,8 @@
 """The device's serving store: the models its own applications use, one immutable directory per version.
 
     <dir>/
-      7/ model.pt  metadata.json
-      8/ model.pt  metadata.json
+      7/ model.pt  model.onnx  metadata.json
+      8/ model.pt  model.onnx  metadata.json
       current -> 8
 
 Published the way Triton and OpenVINO publish model versions: a version is written into a temporary
@@ -12,9 +12,11 @@ version never changes), then made current by creating a new symlink under a temp
 sees one complete version (`serving.ServedModel`). The last `keep` versions stay (the current one
 always); older ones are removed.
 
-`model.pt` is a torch state_dict (`torch.load(..., weights_only=True)`); `metadata.json` holds the
-version, round, architecture, fingerprint, sha256 of model.pt, when it was published, and the
-device's own score of it on its held-out data (null when it had none).
+`model.pt` is a torch state_dict (`torch.load(..., weights_only=True)`); `model.onnx`, where the
+`onnx` package is installed on the device and the architecture exports, the same model for any
+language (input "input", output "output", a dynamic batch dimension); `metadata.json` holds the
+version, round, architecture, fingerprint, sha256 of model.pt (and of model.onnx, or null), when it
+was published, and the device's own score of it on its held-out data (null when it had none).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 log = logging.getLogger("edge_agent.serving")
 CURRENT = "current"
 WEIGHTS = "model.pt"
+ONNX = "model.onnx"
 METADATA = "metadata.json"
 DIR_MODE, FILE_MODE = 0o750, 0o640  # the owner writes, the store's group reads, nobody else
 _VERSION = re.compile(r"^[0-9]+$")
@@ -58,6 +61,7 @@ class ServingStore:
     def __init__(self, root: Path | str, keep: int = 3, group: str = "") -> None:
         self.root, self.keep = Path(root), keep
         self.gid = self._group_id(group)
+        self._said_no_onnx = False
 
     @staticmethod
     def _group_id(group: str) -> int | None:
@@ -93,9 +97,11 @@ class ServingStore:
         return json.loads((self.root / str(version) / METADATA).read_text())
 
     # writing ----------------------------------------------------------------------
-    def publish(self, version: int, state_dict: dict, metadata: dict[str, Any]) -> Path:
-        """Write `version` (a state_dict and its metadata) and make it current. A version already
-        published is never rewritten: StoreError."""
+    def publish(self, version: int, state_dict: dict, metadata: dict[str, Any],
+                onnx_of: tuple[Any, tuple[int, ...]] | None = None) -> Path:
+        """Write `version` (a state_dict and its metadata; with `onnx_of`, (the module, its input shape),
+        model.onnx too where this machine can) and make it current. A version already published is
+        never rewritten: StoreError."""
         import torch
         final = self.root / str(version)
         if final.exists():
@@ -105,10 +111,12 @@ class ServingStore:
         torch.save(state_dict, buffer)
         body = buffer.getvalue()
         meta = {**metadata, "version": version, "sha256": hashlib.sha256(body).hexdigest(),
-                "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "onnx_sha256": None}
         staging = Path(tempfile.mkdtemp(prefix=f".{version}.", suffix=".tmp", dir=self.root))
         try:
             self._write(staging / WEIGHTS, body)
+            if onnx_of is not None:
+                meta["onnx_sha256"] = self._write_onnx(staging / ONNX, *onnx_of)
             self._write(staging / METADATA, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
             self._own(staging, DIR_MODE)
             _fsync_dir(staging)
@@ -120,6 +128,22 @@ class ServingStore:
         self.make_current(version)
         self.prune()
         return final
+
+    def _write_onnx(self, path: Path, model: Any, input_shape: tuple[int, ...]) -> str | None:
+        """model.onnx beside model.pt, or None (said once at INFO): no onnx package, or an architecture
+        the exporter does not know."""
+        from edgefl_models.onnx_file import OnnxUnavailable, write_onnx
+        try:
+            write_onnx(model, input_shape, path)
+        except OnnxUnavailable as exc:
+            if not self._said_no_onnx:
+                self._said_no_onnx = True
+                log.info("serving store: no model.onnx beside model.pt (%s)", exc)
+            return None
+        body = path.read_bytes()
+        path.unlink()
+        self._write(path, body)  # owned, moded and fsynced as the store's other files
+        return hashlib.sha256(body).hexdigest()
 
     def make_current(self, version: int) -> None:
         """Point `current` at a published version in one atomic step."""

@@ -267,3 +267,39 @@ def test_a_real_agent_serves_the_version_it_trained_from(tmp_path):
         finally:
             coordinator.close()
             fleet.stop()
+
+
+def test_a_version_published_through_the_gate_keeps_an_onnx_file_that_predicts_as_torch_does(tmp_path):
+    """Where the onnx package is installed (edgefl[onnx]), each version's directory holds model.onnx
+    beside model.pt, with its sha256 in metadata.json; onnxruntime's outputs match torch's within 1e-5."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    data = datasets.load("digits")
+    model = build_model(ARCH, seed=5)
+    gate = ServingGate(ServingSettings(dir=str(tmp_path / "serving")))
+    assert gate.offer(release(1), 1, model, data.test, Objective.of("classification")).published
+    version = tmp_path / "serving" / "1"
+    meta = json.loads((version / "metadata.json").read_text())
+    onnx_file = version / "model.onnx"
+    assert meta["onnx_sha256"] == hashlib.sha256(onnx_file.read_bytes()).hexdigest()
+    assert oct(onnx_file.stat().st_mode & 0o777) == oct(0o640)  # as the store's other files
+    x = data.test.x[:64].astype(np.float32)
+    got = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    with torch.no_grad():
+        want = model.eval()(torch.from_numpy(x)).numpy()
+    assert np.abs(got - want).max() <= 1e-5
+
+
+def test_without_the_onnx_package_a_version_is_published_without_model_onnx(tmp_path, monkeypatch, caplog):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a))
+    gate = ServingGate(ServingSettings(dir=str(tmp_path / "serving")))
+    data = datasets.load("digits")
+    with caplog.at_level(logging.INFO, logger="edge_agent.serving"):
+        for version in (1, 2):
+            gate.offer(release(version), version, build_model(ARCH, seed=version), data.test,
+                       Objective.of("classification"))
+    assert not (tmp_path / "serving" / "2" / "model.onnx").exists()
+    assert json.loads((tmp_path / "serving" / "2" / "metadata.json").read_text())["onnx_sha256"] is None
+    assert caplog.text.count("no model.onnx beside model.pt") == 1 and "pip install edgefl[onnx]" in caplog.text

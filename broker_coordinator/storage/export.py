@@ -35,13 +35,13 @@ from typing import Any
 
 from broker_coordinator.storage.store import CHECKPOINT, HISTORY_DIR, Checkpoint, StoreError, read_checkpoint
 from broker_coordinator.storage.tasks import read_tasks
+from edgefl_models.onnx_file import HINT as ONNX_HINT
 
 FORMATS = {"state_dict": "model.pt", "torchscript": "model.ts", "onnx": "model.onnx"}
 METADATA = "metadata.json"
 DIGITS = [str(i) for i in range(10)]
 # the built-in architectures whose classes have names: the digits 0-9 (MNIST, scikit-learn's digits)
 LABEL_NAMES = {"mnist_cnn": DIGITS, "mnist_mlp": DIGITS, "digits_mlp": DIGITS}
-ONNX_HINT = "ONNX export needs the onnx package on this machine: pip install edgefl[onnx]"
 
 
 @dataclass
@@ -181,6 +181,8 @@ def _write_model(model: Any, fmt: str, sample: Any, path: Path) -> None:
     import warnings
 
     import torch
+
+    from edgefl_models.onnx_file import OnnxUnavailable, write_onnx
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's deprecation notes on jit and the ONNX exporter
         if fmt == "state_dict":
@@ -189,12 +191,9 @@ def _write_model(model: Any, fmt: str, sample: Any, path: Path) -> None:
             torch.jit.trace(model, sample).save(str(path))
         else:
             try:
-                torch.onnx.export(model, (sample,), str(path), input_names=["input"], output_names=["output"],
-                                  dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False)
-            except Exception as exc:  # an architecture's operator the exporter does not know
-                path.unlink(missing_ok=True)
-                raise StoreError(f"model {model.__class__.__name__} does not export to ONNX here: {exc}; "
-                                 "export --format state_dict or torchscript instead") from None
+                write_onnx(model, tuple(sample.shape[1:]), path)
+            except OnnxUnavailable as exc:
+                raise StoreError(f"{exc}; export --format state_dict or torchscript instead") from None
 
 
 def _metadata(state_dir: Path | str, chosen: ModelVersion, ckpt: Checkpoint, which: str, fmt: str, target: Path,
