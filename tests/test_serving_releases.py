@@ -7,11 +7,11 @@ import time
 import numpy as np
 
 from broker_coordinator.engine.loop import Engine
-from broker_coordinator.engine.rounds import RoundState
 from broker_coordinator.engine.serving import read_published, request_promote
 from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.settings.serving_settings import ServingSettings
 from broker_coordinator.simulation.in_memory import fold_round
+from broker_coordinator.simulation.processes import stop_processes
 from broker_coordinator.storage.store import Store
 from edgefl_protocol import codec, downlink, messages, signing, topics
 from edgefl_models import datasets
@@ -145,3 +145,70 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
         finally:
             e.close()
             fleet.stop()
+
+
+def test_real_agents_keep_a_worse_release_out_of_their_stores(tmp_path):
+    """Real Mosquitto, two real agents holding out a fifth of their data: after three rounds they
+    serve version 3; a release of an untrained model (version 99, whole and with the right sha256) is
+    fetched, scored on each device's held-out data, refused by its gate, and version 3 keeps serving."""
+    from broker_coordinator.access.broker import COORDINATOR_USER
+    from broker_coordinator.simulation.private_broker import PrivateBroker
+    from edge_agent.serving import read_current
+    from edgefl_models import partition
+    from edgefl_models.architectures import build_model, get_weights
+    from edgefl_protocol.settings import to_toml
+    from tests.fleet import spawn
+
+    data = datasets.load("digits")
+    devices = ["dev-0", "dev-1"]
+    broker = PrivateBroker(tmp_path / "broker", "gate")
+    broker.add_user(COORDINATOR_USER)
+    keys = {d: signing.new_key() for d in devices}
+    for d in devices:
+        broker.add_user(d)
+    agents = []
+    with broker:
+        for d, rows in zip(devices, partition.split("iid", data.train.y, len(devices), 0)):
+            home = tmp_path / d
+            datasets.save_npz(home / "data.npz", data.train.subset(rows))
+            (home / "agent.toml").write_text(to_toml({
+                "broker": {"host": broker.host, "port": broker.port, "username": d, "password": broker.users[d]},
+                "device": {"id": d, "state_dir": str(home / "state"), "federation": "gate", "threads": 1,
+                           "signing_key": keys[d].hex()},
+                "data": {"source": "npz", "path": str(home / "data.npz"), "holdout": 0.2}}))
+            agents.append(spawn(["-m", "edge_agent", "run", "--config", str(home / "agent.toml")], home / "agent.log"))
+        e = Engine("gate", "digits_mlp", data.test, RoundSettings(local_epochs=2, round_timeout=30),
+                   store=Store(tmp_path / "coordinator"), device_keys=keys, serving=ServingSettings(only_better=False))
+        e.connect(broker.host, broker.port, COORDINATOR_USER, broker.users[COORDINATOR_USER])
+        try:
+            e.wait_for_devices(2, 60)
+            for round_no in (1, 2, 3):
+                e.run_round(round_no)
+            stores = [tmp_path / d / "state" / "serving" for d in devices]
+
+            def serving(store):  # noqa: ANN001, ANN202
+                try:
+                    return read_current(store)[1]["version"]
+                except Exception:  # noqa: BLE001 - not there yet
+                    return None
+            give_up = time.monotonic() + 60
+            while not all(serving(s) == 3 for s in stores):
+                assert time.monotonic() < give_up, [serving(s) for s in stores]
+                e.idle(0.2)
+            untrained = get_weights(build_model("digits_mlp", seed=99))
+            manifest, chunks = downlink.release(99, "digits_mlp", untrained, e.settings.model_codec,
+                                                e.settings.model_chunk_bytes, e.releases.fingerprint)
+            for i, chunk in enumerate(chunks):
+                assert e.transport.publish_until(topics.serving_chunk("gate", 99, i), chunk, time.time() + 10,
+                                                 retain=True)
+            assert e.transport.publish_until(topics.serving("gate"), messages.encode("model", manifest),
+                                             time.time() + 10, retain=True)
+            logs = [tmp_path / d / "agent.log" for d in devices]
+            while not all("serving: kept 3, refused 99" in log.read_text() for log in logs):
+                assert time.monotonic() < give_up + 60, [log.read_text()[-1500:] for log in logs]
+                e.idle(0.2)
+            assert all(serving(s) == 3 for s in stores)  # the untrained model never reached the applications
+            assert not any((s / "99").exists() for s in stores)
+        finally:
+            e.close()
+            stop_processes(agents)
