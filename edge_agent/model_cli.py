@@ -29,9 +29,10 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
                               description="Print the current version, its metadata.json and the versions kept.")
     store_options(show)
     show.set_defaults(handler=run_show)
-    export = actions.add_parser("export", help="copy the current version's files (model.pt, metadata.json)",
-                                description="Copy the current version's model.pt and metadata.json into OUT "
-                                            "(a directory, created if needed).")
+    export = actions.add_parser("export", help="copy the current version's files (model.pt, model.onnx, metadata.json)",
+                                description="Copy the current version's model.pt, its model.onnx where the store "
+                                            "has one, and its metadata.json into OUT (a directory, created if "
+                                            "needed).")
     export.add_argument("out", type=Path, metavar="OUT")
     store_options(export)
     export.set_defaults(handler=run_export)
@@ -91,15 +92,16 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .serving_store import METADATA, WEIGHTS
+    from .serving_store import METADATA, ONNX, WEIGHTS
     try:
         root, target, _ = _current(args)
         args.out.mkdir(parents=True, exist_ok=True)
-        for name in (WEIGHTS, METADATA):
+        names = [name for name in (WEIGHTS, ONNX, METADATA) if name != ONNX or (root / target / ONNX).exists()]
+        for name in names:
             shutil.copyfile(root / target / name, args.out / name)
     except _errors() as exc:
         return _fail(str(exc))
-    print(f"exported version {target} to {args.out} ({WEIGHTS}, {METADATA})")
+    print(f"exported version {target} to {args.out} ({', '.join(names)})")
     return 0
 
 

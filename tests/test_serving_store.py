@@ -229,6 +229,7 @@ def test_model_commands_show_export_predict(tmp_path):
     assert exported.returncode == 0, exported.stderr
     assert (out / WEIGHTS).read_bytes() == (store.root / "3" / WEIGHTS).read_bytes()
     assert json.loads((out / METADATA).read_text())["version"] == 3
+    assert not (out / "model.onnx").exists() and "(model.pt, metadata.json)" in exported.stdout  # the store had none
 
     x = np.random.default_rng(1).random((3, 64), dtype=np.float32)
     np.savez(tmp_path / "batch.npz", x=x)
@@ -288,6 +289,9 @@ def test_a_version_published_through_the_gate_keeps_an_onnx_file_that_predicts_a
     with torch.no_grad():
         want = model.eval()(torch.from_numpy(x)).numpy()
     assert np.abs(got - want).max() <= 1e-5
+    exported = edge_agent("export", str(tmp_path / "out"), "--dir", str(tmp_path / "serving"))
+    assert exported.returncode == 0 and "(model.pt, model.onnx, metadata.json)" in exported.stdout, exported.stderr
+    assert (tmp_path / "out" / "model.onnx").read_bytes() == onnx_file.read_bytes()
 
 
 def test_without_the_onnx_package_a_version_is_published_without_model_onnx(tmp_path, monkeypatch, caplog):
