@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from broker_coordinator.simulation.fleet import PROFILES, CgroupUnavailable, Cgroups, join_command
@@ -167,8 +168,8 @@ def latency(arch: str = "mnist_cnn", device_class: str = "pi4", requests: int = 
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def constant_model(arch: str, label: int) -> dict[str, torch.Tensor]:

@@ -140,10 +140,10 @@ class ServingStore:
                 self._said_no_onnx = True
                 log.info("serving store: no model.onnx beside model.pt (%s)", exc)
             return None
-        body = path.read_bytes()
-        path.unlink()
-        self._write(path, body)  # owned, moded and fsynced as the store's other files
-        return hashlib.sha256(body).hexdigest()
+        with open(path, "rb") as handle:  # as the store's other files: its mode and group, on disk
+            self._own_fd(handle.fileno(), FILE_MODE)
+            os.fsync(handle.fileno())
+            return hashlib.sha256(handle.read()).hexdigest()
 
     def make_current(self, version: int) -> None:
         """Point `current` at a published version in one atomic step."""

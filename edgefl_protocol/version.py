@@ -7,9 +7,7 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from . import OLDEST_SCHEMA, SCHEMA_VERSION
-
-PROTOCOLS = tuple(range(OLDEST_SCHEMA, SCHEMA_VERSION + 1))  # the protocol versions this release speaks
+from .protocol import SPOKEN as PROTOCOLS  # the protocol versions this release speaks
 UNKNOWN = "unknown"  # what the coordinator calls an agent that does not say (0.1.0 and earlier)
 
 

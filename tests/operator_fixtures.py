@@ -9,6 +9,7 @@ is reloaded through the pid file. The fixture stops exactly the process it start
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -137,9 +138,9 @@ def server(tmp_path) -> Iterator[Server]:
         stop_server(s)
 
 
-@pytest.fixture
-def desk(server) -> Iterator[EnrollmentDesk]:
-    """The enrollment desk on a coordinator session, in this process."""
+@contextlib.contextmanager
+def desk_on(server: Server) -> Iterator[EnrollmentDesk]:
+    """The enrollment desk on a coordinator session, in this process, as `broker-coordinator run` has it."""
     client = ops.coordinator_client(server.config, "desk")
     connect(client, "127.0.0.1", server.port, timeout=10)
     d = EnrollmentDesk(server.config, ops.open_registry(server.config))
@@ -147,7 +148,15 @@ def desk(server) -> Iterator[EnrollmentDesk]:
     client.on_subscribe = lambda *a: subscribed.set()
     d.attach(client)
     assert subscribed.wait(5)
-    yield d
-    d.stop()
-    client.disconnect()
-    client.loop_stop()
+    try:
+        yield d
+    finally:
+        d.stop()
+        client.disconnect()
+        client.loop_stop()
+
+
+@pytest.fixture
+def desk(server) -> Iterator[EnrollmentDesk]:
+    with desk_on(server) as d:
+        yield d

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -18,7 +16,6 @@ import pytest
 from broker_coordinator.access.broker import free_port
 from broker_coordinator.simulation.processes import stop_processes
 
-from .operator_fixtures import PROJECT_ROOT
 from .test_tasks_e2e import federation  # noqa: F401 - the fixture
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -42,12 +39,8 @@ def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_the_dashboard_shows_the_fleet_and_the_rounds(federation, tmp_path):  # noqa: F811
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), EDGEFL_COORDINATOR_METRICS_PORT=str(port),
-               EDGEFL_COORDINATOR_PACING_INTERVAL="1h")  # two rounds... then it waits, its page up
-    with open(tmp_path / "coordinator.log", "wb") as out:
-        coordinator = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", "--config",
-                                        str(federation.config)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       cwd=PROJECT_ROOT)
+    coordinator = federation.start(tmp_path / "coordinator.log", EDGEFL_COORDINATOR_METRICS_PORT=str(port),
+                                   EDGEFL_COORDINATOR_PACING_INTERVAL="1h")  # round 1, then it waits, its page up
     try:
         give_up = time.monotonic() + 120
         while True:
@@ -86,3 +79,18 @@ def test_the_dashboard_shows_the_fleet_and_the_rounds(federation, tmp_path):  # 
         assert shot.stat().st_size > 10_000  # a drawn page, not a blank one
     finally:
         stop_processes([coordinator], timeout=60)
+
+
+def test_the_rounds_show_the_privacy_budget_each_one_had_spent(tmp_path):
+    """The store keeps each round's epsilon ([privacy] mode = "central"), which the privacy chart draws."""
+    from broker_coordinator.engine.fleet_view import fleet_snapshot
+    from broker_coordinator.storage.store import Store
+    from edgefl_protocol.protocol import SPOKEN
+    store = Store(tmp_path)
+    for round_no, privacy in ((1, {"epsilon": 0.5, "delta": 1e-5}), (2, {"epsilon": 0.8, "delta": 1e-5}), (3, {})):
+        store.record_round({"round": round_no, "attempt": 1, "closed": "complete", "selected": 3, "participants": 3,
+                            "accuracy": 0.5, "loss": 1.0, "bytes_up": 100, "seconds": 1.0, "rejected": {},
+                            "metric": "accuracy", "score": 0.5, "privacy": privacy})
+    store.close()
+    rounds = fleet_snapshot(tmp_path, "orchard", SPOKEN)["rounds"]
+    assert [r["epsilon"] for r in rounds] == [0.5, 0.8, None]

@@ -16,7 +16,7 @@ from edgefl_protocol import enrollment as proto
 from edgefl_protocol import topics as proto_topics
 from edgefl_protocol.transport import connect, make_client
 
-from .operator_fixtures import FEDERATION, desk, run_module, server  # noqa: F401 - fixtures
+from .operator_fixtures import FEDERATION, desk, desk_on, run_module, server  # noqa: F401 - fixtures
 
 
 def sample_token(**changes) -> proto.EnrollmentToken:
@@ -408,18 +408,34 @@ def test_tls_needs_a_separate_device_port(tmp_path, coordinator_cli):
 
 
 # TLS ---------------------------------------------------------------------------------------------
-def self_signed(directory, name: str = "broker"):
+def openssl(*args: str) -> None:
+    """Run openssl (skip the test where the machine has none: CI installs it)."""
     import shutil
     import subprocess
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    program = shutil.which("openssl")
+    if program is None:
         pytest.skip("openssl is not installed (CI installs it: apt-get install openssl)")
+    subprocess.run([program, *args], check=True, capture_output=True, timeout=60)
+
+
+EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+
+
+def self_signed(directory, name: str = "broker"):
     directory.mkdir(parents=True, exist_ok=True)
     cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    openssl("req", "-x509", *EC_KEY, "-days", "2", "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert))
     return cert, key
+
+
+def connects_over_tls(agent, port: int) -> None:  # noqa: ANN001 - an AgentConfig
+    """The device's credentials, verified against the CA file its config names."""
+    secure = make_client(f"{agent.device.id}-tls", agent.broker.username, agent.broker.password,
+                         tls_ca=agent.broker.tls_ca)
+    connect(secure, "127.0.0.1", port, timeout=5)
+    secure.disconnect()
+    secure.loop_stop()
 
 
 def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
@@ -428,30 +444,20 @@ def test_enroll_over_tls_pins_the_ca_by_the_tokens_fingerprint(tmp_path):
     from broker_coordinator.access.broker import free_port
     server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"', device_port=free_port())
     try:
-        from broker_coordinator.access.enrollment import EnrollmentDesk
-        client = ops.coordinator_client(server.config, "desk")
-        connect(client, "127.0.0.1", server.port, timeout=10)
-        desk = EnrollmentDesk(server.config, ops.open_registry(server.config))
-        desk.attach(client)
-        text = server.add("pi-07")
-        token = proto.decode_token(text)
-        assert token.tls and token.ca_sha256 == ops.ca_fingerprint(str(cert))
+        with desk_on(server):
+            text = server.add("pi-07")
+            token = proto.decode_token(text)
+            assert token.tls and token.ca_sha256 == ops.ca_fingerprint(str(cert))
 
-        other, _ = self_signed(tmp_path / "pki", "other")
-        with pytest.raises(EnrollError, match="does not match the token's CA fingerprint"):
-            enroll(text, tmp_path / "bad.toml", ca_file=other)
+            other, _ = self_signed(tmp_path / "pki", "other")
+            with pytest.raises(EnrollError, match="does not match the token's CA fingerprint"):
+                enroll(text, tmp_path / "bad.toml", ca_file=other)
 
-        done = enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path))
-        assert done.tls
-        agent = load_agent_config(tmp_path / "etc" / "agent.toml")
-        assert Path(agent.broker.tls_ca).read_text() == cert.read_text()
-        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, tls_ca=agent.broker.tls_ca)
-        connect(secure, "127.0.0.1", server.config.broker.devices_port, timeout=5)
-        secure.disconnect()
-        secure.loop_stop()
-        desk.stop()
-        client.disconnect()
-        client.loop_stop()
+            done = enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path))
+            assert done.tls
+            agent = load_agent_config(tmp_path / "etc" / "agent.toml")
+            assert Path(agent.broker.tls_ca).read_text() == cert.read_text()
+            connects_over_tls(agent, server.config.broker.devices_port)
     finally:
         stop_server(server)
 
@@ -467,32 +473,19 @@ def test_revoke_says_so_when_the_broker_cannot_be_reloaded(server, coordinator_c
 
 def private_ca(directory: Path) -> tuple[Path, Path]:
     """A CA as docs/CERTIFICATES.md makes one (its commands, shortened validity)."""
-    import shutil
-    import subprocess
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is not installed (CI installs it: apt-get install openssl)")
     directory.mkdir(parents=True, exist_ok=True)
     ca, ca_key = directory / "edgefl-ca.crt", directory / "edgefl-ca.key"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-days", "30", "-subj", "/CN=EdgeFL CA", "-keyout", str(ca_key), "-out", str(ca)],
-                   check=True, capture_output=True, timeout=60)
+    openssl("req", "-x509", *EC_KEY, "-days", "30", "-subj", "/CN=EdgeFL CA", "-keyout", str(ca_key), "-out", str(ca))
     return ca, ca_key
 
 
 def server_certificate(directory: Path, ca: Path, ca_key: Path) -> tuple[Path, Path]:
     """A broker certificate signed by the CA (a new key each time: a renewal)."""
-    import shutil
-    import subprocess
-    openssl = shutil.which("openssl")
     cert, key, request = directory / "broker.crt", directory / "broker.key", directory / "broker.csr"
-    subprocess.run([openssl, "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(request)],
-                   check=True, capture_output=True, timeout=60)
+    openssl("req", "-new", *EC_KEY, "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(request))
     (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    subprocess.run([openssl, "x509", "-req", "-in", str(request), "-CA", str(ca), "-CAkey", str(ca_key),
-                    "-CAcreateserial", "-days", "7", "-extfile", str(directory / "san.ext"), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    openssl("x509", "-req", "-in", str(request), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-days", "7", "-extfile", str(directory / "san.ext"), "-out", str(cert))
     return cert, key
 
 
@@ -513,14 +506,10 @@ def test_a_renewed_broker_certificate_from_the_same_ca_keeps_enrolled_devices_co
     server = start_server(tmp_path / "server", f'tls_cert = "{cert}"\ntls_key = "{key}"\ntls_ca = "{ca}"',
                           device_port=device_port)
     try:
-        from broker_coordinator.access.enrollment import EnrollmentDesk
-        client = ops.coordinator_client(server.config, "desk")
-        connect(client, "127.0.0.1", server.port, timeout=10)
-        desk = EnrollmentDesk(server.config, ops.open_registry(server.config))
-        desk.attach(client)
-        text = server.add("pi-07")
-        assert proto.decode_token(text).ca_sha256 == ops.ca_fingerprint(str(ca))
-        enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path), ca_file=ca)  # --ca-file
+        with desk_on(server):
+            text = server.add("pi-07")
+            assert proto.decode_token(text).ca_sha256 == ops.ca_fingerprint(str(ca))
+            enroll(text, tmp_path / "etc" / "agent.toml", state_dir=str(tmp_path), ca_file=ca)  # --ca-file
         agent = load_agent_config(tmp_path / "etc" / "agent.toml")
         assert Path(agent.broker.tls_ca).read_text() == ca.read_text()  # the CA, not the broker's certificate
 
@@ -534,12 +523,6 @@ def test_a_renewed_broker_certificate_from_the_same_ca_keeps_enrolled_devices_co
         while presented() == before:
             assert time.monotonic() < give_up, "Mosquitto still presents the old certificate after a reload"
             time.sleep(0.2)
-        secure = make_client("pi-07-tls", "pi-07", agent.broker.password, tls_ca=agent.broker.tls_ca)
-        connect(secure, "127.0.0.1", device_port, timeout=5)  # verified against the pinned CA: no new enrollment
-        secure.disconnect()
-        secure.loop_stop()
-        desk.stop()
-        client.disconnect()
-        client.loop_stop()
+        connects_over_tls(agent, device_port)  # verified against the pinned CA: no new enrollment
     finally:
         stop_server(server)

@@ -160,8 +160,9 @@ def test_onnx_export_matches_torch_within_1e_5(state, tmp_path, digits):
 
 def test_onnx_without_the_package_is_refused_with_the_extra_to_install(state, tmp_path, monkeypatch):
     path, _ = state
-    real = export_mod.importlib.util.find_spec
-    monkeypatch.setattr(export_mod.importlib.util, "find_spec", lambda name: None if name == "onnx" else real(name))
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a))
     with pytest.raises(StoreError, match=r"pip install edgefl\[onnx\]"):
         export_mod.export_model(path, 3, tmp_path / "o", "onnx")
     assert not (tmp_path / "o").exists()

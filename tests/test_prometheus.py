@@ -6,10 +6,8 @@ load. Every wait is for a condition."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -57,12 +55,8 @@ def test_prometheus_scrapes_a_running_coordinator_and_its_devices(federation, tm
     shutil.copy(DEPLOY / "edgefl-rules.yml", tmp_path / "edgefl-rules.yml")
     config.write_text((DEPLOY / "prometheus.yml").read_text().replace("15s", "1s")
                       .replace("127.0.0.1:9108", f"127.0.0.1:{metrics_port}"))
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), EDGEFL_COORDINATOR_METRICS_PORT=str(metrics_port),
-               EDGEFL_COORDINATOR_PACING_INTERVAL="1h")  # round 1, then it waits, metrics up
-    with open(tmp_path / "coordinator.log", "wb") as out:
-        coordinator = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", "--config",
-                                        str(federation.config)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       cwd=PROJECT_ROOT)
+    coordinator = federation.start(tmp_path / "coordinator.log", EDGEFL_COORDINATOR_METRICS_PORT=str(metrics_port),
+                                   EDGEFL_COORDINATOR_PACING_INTERVAL="1h")  # round 1, then it waits, metrics up
     with open(tmp_path / "prometheus.log", "wb") as out:
         prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                        f"--web.listen-address=127.0.0.1:{web_port}"], stdout=out,

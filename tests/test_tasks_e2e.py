@@ -66,6 +66,13 @@ class Federation:
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
+    def start(self, log: Path, **env: str) -> subprocess.Popen:
+        """`broker-coordinator run` as a service runs it, in the background (its output to `log`)."""
+        with open(log, "wb") as out:
+            return subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", "--config", str(self.config)],
+                                    stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
+                                    env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT), **env})
+
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return run_module("broker_coordinator", *args, "--config", str(self.config), timeout=60)
 
@@ -190,11 +197,7 @@ def test_a_new_model_starts_a_task_that_the_same_devices_train(federation):
 def test_a_restore_onto_an_empty_directory_goes_on_at_the_next_round(federation, tmp_path):
     # rounds an hour apart: the coordinator runs round 1, then waits, holding its state, while the backup runs
     config = federation.config
-    with open(tmp_path / "run-1.log", "wb") as out:
-        coordinator = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", "--config", str(config)],
-                                       stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
-                                       env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT),
-                                            "EDGEFL_COORDINATOR_PACING_INTERVAL": "1h"})
+    coordinator = federation.start(tmp_path / "run-1.log", EDGEFL_COORDINATOR_PACING_INTERVAL="1h")
     try:
         give_up = time.monotonic() + 120
         while not (federation.state / "checkpoint.msgpack").exists():  # round 1 is done
@@ -280,13 +283,9 @@ def test_a_device_revoked_while_a_round_waits_for_it_leaves_the_round_at_once(fe
     federation.run(rounds=1)
     hung = federation.agents[DEVICES.index("pi-03")]
     hung.send_signal(signal.SIGSTOP)
-    env = dict(os.environ, EDGEFL_COORDINATOR_FEDERATION_ROUNDS="2", EDGEFL_COORDINATOR_SCHEDULE_MIN_UPDATES="2",
-               EDGEFL_COORDINATOR_SCHEDULE_ROUND_TIMEOUT="120", PYTHONPATH=str(PROJECT_ROOT))
     log = tmp_path / "coordinator.log"
-    with open(log, "wb") as out:
-        service = subprocess.Popen([sys.executable, "-m", "broker_coordinator", "run", "--config",
-                                    str(federation.config)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   cwd=PROJECT_ROOT)
+    service = federation.start(log, EDGEFL_COORDINATOR_FEDERATION_ROUNDS="2", EDGEFL_COORDINATOR_SCHEDULE_MIN_UPDATES="2",
+                               EDGEFL_COORDINATOR_SCHEDULE_ROUND_TIMEOUT="120")
     try:
         give_up = time.monotonic() + 60
         while Store(federation.state).last_attempt(2) < 1:  # round 2 is open and waits for pi-03

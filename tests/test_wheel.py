@@ -3,18 +3,35 @@ many projects use), both import as they should."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 from .operator_fixtures import PROJECT_ROOT
 
 OURS = {"broker_coordinator", "edge_agent", "edgefl_protocol", "edgefl_models"}
 
 
+def source_copy(into: Path) -> Path:
+    """What the wheel is built from, copied: setuptools writes build/ and *.egg-info beside its sources, and a
+    test leaves the checkout as it found it."""
+    into.mkdir(parents=True)
+    names = ["pyproject.toml", "README.md", "systemd", *sorted(OURS)]
+    for name in names:
+        source = PROJECT_ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, into / name)
+    return into
+
+
 def test_the_wheel_holds_only_edgefl_names_and_leaves_a_users_models_package_alone(tmp_path):
+    source = source_copy(tmp_path / "source")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                            "--wheel-dir", str(tmp_path / "dist"), str(PROJECT_ROOT)], capture_output=True, text=True,
+                            "--wheel-dir", str(tmp_path / "dist"), str(source)], capture_output=True, text=True,
                            timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("edgefl-*.whl")

@@ -29,19 +29,19 @@ def fleet_snapshot(state_dir: Path | str, federation: str, serves: tuple[int, ..
     for d in devices:
         profile = parse_profile(d.get("profile"))
         online = bool(d["online"]) and d["device"] not in gone
+        why = ineligible_because(profile, serves) if online else None
         fleet.append({"device": d["device"], "state": "revoked" if d["device"] in gone else
                       "online" if online else "offline", "last_seen": d["last_seen"],
                       "version": agent_release(profile), "machine": profile.get("machine", ""),
                       "cores": profile.get("cores"), "memory_mb": profile.get("memory_mb"),
-                      "eligible": online and ineligible_because(profile, serves) is None,
-                      "why": ineligible_because(profile, serves) if online else None,
+                      "eligible": online and why is None, "why": why,
                       "rounds": d["rounds"], "folded": d["folded"], "clipped": d["clipped"],
                       "left_out": d["left_out"], "last_verdict": d.get("last_verdict"),
                       "serving": profile.get("serving_current")})
     rounds = [{"round": r["round"], "attempt": r["attempt"], "closed": r["closed"], "metric": r.get("metric"),
                "score": _finite(r.get("score")), "participants": r.get("participants"), "selected": r.get("selected"),
                "bytes_up": r.get("bytes_up"),
-               "epsilon": _epsilon(r.get("privacy"))} for r in rows[-ROUNDS_SHOWN:]]
+               "epsilon": _finite(r.get("epsilon"))} for r in rows[-ROUNDS_SHOWN:]]
     pace = read_pace(state_dir)
     return {"federation": federation, "generated_at": time.time(), "devices": fleet, "rounds": rounds,
             "pacing": None if pace is None else {"state": pace.state, "why": pace.why, "wakes": pace.wakes}}
@@ -49,7 +49,3 @@ def fleet_snapshot(state_dir: Path | str, federation: str, serves: tuple[int, ..
 
 def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value == value and abs(value) != float("inf") else None
-
-
-def _epsilon(privacy: Any) -> float | None:
-    return _finite(parse_profile(privacy).get("epsilon"))

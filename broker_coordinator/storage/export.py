@@ -21,7 +21,6 @@ Reads only: safe beside a running coordinator. Imports torch when it exports.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any
 from broker_coordinator.storage.store import CHECKPOINT, HISTORY_DIR, Checkpoint, StoreError, read_checkpoint
 from broker_coordinator.storage.tasks import read_tasks
 from edgefl_models.onnx_file import HINT as ONNX_HINT
+from edgefl_models.onnx_file import available as onnx_available
 
 FORMATS = {"state_dict": "model.pt", "torchscript": "model.ts", "onnx": "model.onnx"}
 METADATA = "metadata.json"
@@ -140,7 +140,7 @@ def export_model(state_dir: Path | str, version: int | None, out: Path | str, fm
     out = Path(out)
     if fmt not in FORMATS:
         raise StoreError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    if fmt == "onnx" and importlib.util.find_spec("onnx") is None:
+    if fmt == "onnx" and not onnx_available():
         raise StoreError(ONNX_HINT)
     check_target(out, force)
     chosen = find_version(state_dir, version)

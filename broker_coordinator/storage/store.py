@@ -60,11 +60,12 @@ CHECKPOINT = "checkpoint.msgpack"
 HISTORY_DIR = "checkpoints"
 ROUND_COLUMNS = ("round", "attempt", "closed", "selected", "participants", "accuracy", "loss", "bytes_up",
                  "seconds", "rejected", "base_sha256", "model_sha256", "finished_at", "reason",
-                 "metric", "score", "federated", "clipped", "left_out", "task")
+                 "metric", "score", "federated", "clipped", "left_out", "task", "epsilon")
 # since the task's metric is named; since the fold's verdicts are recorded (clipped: {how: n}, left_out: fraction);
-# since tasks (the id of the task the round belongs to; NULL outside a coordinator's state directory)
+# since tasks (the id of the task the round belongs to; NULL outside a coordinator's state directory); since the
+# dashboard (epsilon: the privacy budget spent by that round, [privacy] mode = "central")
 ADDED_COLUMNS = {"metric": "TEXT", "score": "REAL", "federated": "TEXT", "clipped": "TEXT", "left_out": "REAL",
-                 "task": "INTEGER"}
+                 "task": "INTEGER", "epsilon": "REAL"}
 # device_rounds: the fold's verdict on an accepted update (folded | clipped | left_out | pending) and its detail
 DEVICE_COLUMNS = ("round", "attempt", "device", "accepted", "reason", "metrics", "at", "verdict", "verdict_detail")
 ADDED_DEVICE_COLUMNS = {"verdict": "TEXT", "verdict_detail": "TEXT"}
@@ -237,7 +238,8 @@ class Store:
              r["bytes_up"], r["seconds"], json.dumps(r["rejected"]), r.get("base_sha256"), r.get("model_sha256"),
              time.time(), r.get("reason", ""), r.get("metric"), r.get("score"),
              json.dumps(r["federated"]) if r.get("federated") else None,
-             json.dumps(r["clipped"]) if r.get("clipped") else None, r.get("left_out"), self.task))
+             json.dumps(r["clipped"]) if r.get("clipped") else None, r.get("left_out"), self.task,
+             (r.get("privacy") or {}).get("epsilon")))
 
     def record_device_round(self, round_no: int, attempt: int, device: str, accepted: bool, reason: str | None,
                             metrics: dict[str, Any] | None, verdict: str | None = None,
