@@ -59,6 +59,7 @@ from .attacks_report import (  # the grid's names, which the report reads too
     FOLDS,
     HEADLINE,
     RESULTS,
+    ROOT_SAMPLES,
     ROUND_TIMEOUT,
     RUNS,
     SECOND,
@@ -76,7 +77,7 @@ BASELINE_RUNS = ("clean", "absent@0.1", "absent@0.2", "sign_flip@0.1", "reversed
 HELD_FOLDS = ("geomed", "trimmed_mean", "median")
 FULL_FOLDS = ("centered_clip", "centered_clip+votes", "centered_clip+votes+serve0.75", "centered_clip+kinship0.4",
               "centered_clip+banks8", "centered_clip+banks8+kinship0.4", "centered_clip+floor0.05",
-              "centered_clip+serve0", "centered_clip+serve0.9")  # every run; the other folds only BASELINE_RUNS
+              "centered_clip+serve0", "centered_clip+serve0.9", "centered_clip+root")  # every run; the other folds only BASELINE_RUNS
 HELD_RUNS = ("clean", "absent@0.2", "sign_flip@0.2", "label_flip@0.2", "colluding@0.2", "inflated_count@0.2",
              "backdoor@0.1")
 ROUNDS = 10
@@ -188,8 +189,9 @@ def run_one(partition: str, run: str, fold: str, seed: int, rounds: int) -> dict
     bad = attackers_of(float(frac), devices, seed) if frac and attack != "compromised_site" else set()
     keep = [i for i, d in enumerate(devices) if not (attack == "absent" and d in bad)]
     plan = Attack(attack, bad, seed)
+    root = root_set([fed.clients[i] for i, d in enumerate(devices) if d not in bad], seed) if rs.root_trust else None
     sim = InMemoryFederation(fed.arch, [fed.clients[i] for i in keep], fed.test, rs, seed, fed.clients_per_round,
-                             fleet=[fleet[i] for i in keep], data_of=plan.data_of, tamper=plan.tamper)
+                             fleet=[fleet[i] for i in keep], data_of=plan.data_of, tamper=plan.tamper, root=root)
     if attack == "absent":  # the remaining devices keep their names, so attackers_of means the same devices
         sim.devices = [devices[i] for i in keep]
         sim.data = dict(zip(sim.devices, sim.data.values()))
@@ -204,6 +206,7 @@ def run_one(partition: str, run: str, fold: str, seed: int, rounds: int) -> dict
     plan.coordinator = sim.coordinator
     started = time.time()
     accuracy, sent, folded, honest, left_out, clipped = [], 0, 0, 0, 0, {}
+    down_weighted, least_weight = 0, 1.0  # honest updates folded below their full weight, and the least kept
     for round_no in range(1, rounds + 1):
         record = in_sites.round(round_no) if in_sites else sim.round(round_no)
         if record is None:
@@ -220,17 +223,37 @@ def run_one(partition: str, run: str, fold: str, seed: int, rounds: int) -> dict
                 folded += kept
             else:
                 honest, left_out = honest + 1, left_out + (not kept)
+                share = weight_share(metrics) if kept else 0.0
+                down_weighted += share < 1
+                least_weight = min(least_weight, share)
     sent = plan.sent
     out = {"partition": partition, "run": run, "fold": fold, "seed": seed, "rounds": rounds,
            "accuracy": accuracy, "final_accuracy": accuracy[-1], "attackers": sorted(bad),
            "attacker_updates_sent": sent, "attacker_updates_folded": folded, "honest_updates": honest,
-           "honest_left_out": left_out, "clipped": clipped, "rejected": dict(sim.coordinator.intake.rejections),
+           "honest_left_out": left_out, "honest_down_weighted": down_weighted / max(1, honest),
+           "honest_min_weight": least_weight, "clipped": clipped, "rejected": dict(sim.coordinator.intake.rejections),
            "seconds": round(time.time() - started, 1)}
     if in_sites is not None:
         out["forged_partials"] = in_sites.forged
     if attack == "backdoor":
         out["attack_success"] = attack_success(sim)
     return out
+
+
+def root_set(honest: list, seed: int):
+    """root_trust's clean set: ROOT_SAMPLES examples drawn from the honest devices' pooled data (FLTrust's
+    setting: the operator holds a small sample of the task's data; the devices keep theirs)."""
+    from edgefl_models.datasets import Dataset
+    x, y = np.concatenate([d.x for d in honest]), np.concatenate([d.y for d in honest])
+    pick = np.random.default_rng(zlib.crc32(f"root/{seed}".encode())).choice(len(y), ROOT_SAMPLES, replace=False)
+    return Dataset(x[pick], y[pick])
+
+
+def weight_share(metrics: dict) -> float:
+    """The share of its weight a folded update kept: its standing (`weight_share`, "0.60 (why)") times the
+    scale its round's flags gave its partial sum (`held_back`); 1 when neither."""
+    share = float(str(metrics.get("weight_share", "1")).split()[0])
+    return share * float(metrics.get("held_back", 1.0))
 
 
 def attack_success(sim) -> float:

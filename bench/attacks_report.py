@@ -31,11 +31,15 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          # the agreement stage flags only median cosines below -0.05 (aggregation/consensus.py)
                          "centered_clip+floor0.05": {"agreement_floor": 0.05, **LAST},
                          # the default fold serving a slower average (research/served_decay.py: fewer late declines)
-                         "centered_clip+serve0.9": {"serve_average": 0.9}}
+                         "centered_clip+serve0.9": {"serve_average": 0.9},
+                         # the default fold weighing each update by its cosine with the coordinator's own update on
+                         # ROOT_SAMPLES clean examples ([fold] root_trust, FLTrust)
+                         "centered_clip+root": {"root_trust": True}}
 HEADLINE = "mnist5k_dirichlet0.5_20clients"
 SECOND = "synthetic1,1_30clients"
 SECOND_ATTACKS = ("sign_flip", "reversed", "backdoor", "adaptive")
 SITES = 4
+ROOT_SAMPLES = 200  # root_trust's clean set: drawn from the honest devices' pooled data, never the test set
 ROUND_TIMEOUT = 6.0  # the demo's deadline (bench/algorithms.py): it caps the device-chosen epochs
 
 

@@ -32,7 +32,7 @@ class InSites:
         self.where = {d: names[i % sites] for i, d in enumerate(sim.devices)}
         self.members = {s: [d for d in sim.devices if self.where[d] == s] for s in names}
         self.site_keys = {s: signing.new_key() for s in names}
-        self.tree = Engine(FED, sim.arch, sim.test, sim.settings, seed=sim.seed, device_keys={},
+        self.tree = Engine(FED, sim.arch, sim.test, sim.settings, seed=sim.seed, device_keys={}, root_set=sim.root,
                            sites={s: SiteSpec(1, self.site_keys[s], len(self.members[s])) for s in names})
         sim.coordinator = self.tree  # the devices train from the tree's model and server rule
         self.workers = {s: SiteWorker(FED, s, sim.arch, self.site_keys[s], {d: sim.keys[d] for d in self.members[s]},
@@ -53,7 +53,7 @@ class InSites:
         payloads = []
         for site, cohort in cohorts.items():
             site_task = SiteTask(round_no, 1, len(cohort), messages.encode("task", task), site_rules(s),
-                                 *encode_center(center))
+                                 *encode_center(center), *encode_center(tree.root_step(round_no) if s.root_trust else None))
             worker = self.workers[site]
             rnd = worker.current = worker.open(site_task, task, set(cohort))
             for device in cohort:  # through the worker's in-memory transport, as its broker would hand them over

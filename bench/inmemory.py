@@ -87,6 +87,7 @@ class InMemoryFederation:
     tamper: Tamper | None = None
     mirror_agent_seed: bool = False  # the agent's local shuffling seed (device/round), not device/round/seed
     serving: ServingSettings | None = None  # [serving]: releases retained in the in-memory transport
+    root: Dataset | None = None  # [federation] root_data: the coordinator's small trusted set
 
     def __post_init__(self) -> None:
         self.devices = [f"dev-{i:03d}" for i in range(len(self.clients))]
@@ -95,7 +96,7 @@ class InMemoryFederation:
         self.classes = dict(zip(self.devices, self.fleet or ["pi4"] * len(self.devices)))
         self.states: dict[str, dict] = {d: {} for d in self.devices}
         self.coordinator = Engine(FED, self.arch, self.test, self.settings, seed=self.seed,
-                                  device_keys=self.keys, serving=self.serving)
+                                  device_keys=self.keys, serving=self.serving, root_set=self.root)
         self.rng = random.Random(self.seed)
         self.last_metrics: dict[str, dict] = {}
 

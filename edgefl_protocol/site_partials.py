@@ -52,6 +52,10 @@ class SiteTask:
     # centered_clip's centre for the round (the last applied step), float32-coded; empty: none yet
     center_specs: list = field(default_factory=list)
     center: bytes = b""
+    # root_trust: the update the coordinator trained on its root data this round, coded like the centre;
+    # empty: none (a worker of an earlier release ignores it)
+    trust_specs: list = field(default_factory=list)
+    trust: bytes = b""
 
 
 @dataclass
@@ -90,19 +94,23 @@ def encode_site_task(task: SiteTask) -> bytes:
 
 
 def site_task_cap(specs: Mapping[str, tuple[int, ...]]) -> int:
-    """Bytes: the largest site task a worker accepts (the device task and rules, and the centre)."""
-    return (1 << 20) + 4 * sum(math.prod(shape) for shape in specs.values())
+    """Bytes: the largest site task a worker accepts (the device task and rules, the centre and the
+    root update)."""
+    return (1 << 20) + 8 * sum(math.prod(shape) for shape in specs.values())
 
 
 def decode_site_task(data: bytes, max_bytes: int = 1 << 20) -> SiteTask:
     obj = unpack(data, "site_task", max_bytes)
     task = SiteTask(typed_field(obj, "round", int), typed_field(obj, "attempt", int),
                     typed_field(obj, "clients", int), typed_field(obj, "task", bytes), obj.get("rules") or {},
-                    obj.get("center_specs") or [], obj.get("center") or b"")
+                    obj.get("center_specs") or [], obj.get("center") or b"", obj.get("trust_specs") or [],
+                    obj.get("trust") or b"")
     if task.clients < 0 or not isinstance(task.rules, dict):
         raise Rejected("schema", "site task: clients must be >= 0 and rules a map")
     if not isinstance(task.center_specs, list) or not isinstance(task.center, bytes):
         raise Rejected("schema", "site task: center_specs must be a list and center bytes")
+    if not isinstance(task.trust_specs, list) or not isinstance(task.trust, bytes):
+        raise Rejected("schema", "site task: trust_specs must be a list and trust bytes")
     return task
 
 
@@ -115,9 +123,18 @@ def encode_center(center: Mapping[str, np.ndarray] | None) -> tuple[list, bytes]
 
 def decode_center(task: SiteTask, specs: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
     """The site task's centre with the model's shapes and finite values, or None. Raises Rejected."""
-    if not task.center:
+    return _decode_tensors(task.center_specs, task.center, specs)
+
+
+def decode_trust(task: SiteTask, specs: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """The site task's root update with the model's shapes and finite values, or None. Raises Rejected."""
+    return _decode_tensors(task.trust_specs, task.trust, specs)
+
+
+def _decode_tensors(coded_specs: list, body: bytes, specs: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    if not body:
         return None
-    return codec.decode("float32", task.center_specs, task.center, dict(specs), sum(math.prod(s) for s in specs.values()))
+    return codec.decode("float32", coded_specs, body, dict(specs), sum(math.prod(s) for s in specs.values()))
 
 
 # partials ----------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+MEDIAN = "the round's median"  # gated_mean's direction, unless the root update is given
+
 
 @dataclass
 class FoldReport:
@@ -27,7 +29,7 @@ class FoldReport:
     count: int  # device updates folded (a partial counts its devices)
     clipped: dict[str, tuple[float, float]] = field(default_factory=dict)  # (norm, bound) of norm-clipped ones
     centered: dict[str, tuple[float, float]] = field(default_factory=dict)  # (distance, radius) from the centre
-    gated: dict[str, float] = field(default_factory=dict)  # cosine with the round's median of those left out
+    gated: dict[str, float] = field(default_factory=dict)  # cosine with `gated_by` of those left out
     # (share, why) of those folded below their full weight for what earlier rounds showed of them
     discounted: dict[str, tuple[float, str]] = field(default_factory=dict)
     disagreeing: dict[str, float] = field(default_factory=dict)  # median cosine of those flagged
@@ -41,6 +43,7 @@ class FoldReport:
     delay: float = 0.0  # buffered: the mean staleness of the step's updates
     released: dict[str, float] = field(default_factory=dict)  # central DP: what was released beside the step
     private: bool = False  # central DP: which device was clipped is not released
+    gated_by: str = MEDIAN  # the direction the left-out updates pointed away from
 
 
 class Fold(Protocol):

@@ -8,11 +8,15 @@ round's own median is a weak reference (honest deltas are nearly orthogonal
 to one another); a trained reference is not. It needs labelled data on the
 coordinator that is not the test set (`[federation] root_data`): with it the
 default (`[fold] reference = "auto"`) uses it, without it the round's median.
+The streaming folds use the same update to score each device's (`[fold]
+root_trust`, see `RobustRound._trusted`), at the centre and, sent with the
+site task, at the sites.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -20,6 +24,10 @@ from torch import nn
 
 from edgefl_models.architectures import build_model, get_weights, set_weights
 from edgefl_models.datasets import Dataset
+from edgefl_protocol.errors import Rejected
+from edgefl_protocol.site_partials import SiteTask, decode_trust
+
+log = logging.getLogger(__name__)
 
 
 def root_direction(arch: str, weights: Mapping[str, np.ndarray], root: Dataset, names: list[str],
@@ -44,3 +52,43 @@ def root_direction(arch: str, weights: Mapping[str, np.ndarray], root: Dataset, 
                         p -= lr * p.grad
     after = get_weights(model)
     return np.concatenate([(after[n] - weights[n]).ravel() for n in names]).astype(np.float32)
+
+
+class RootUpdates:
+    """The root update of each model version, trained once however many folds and site tasks ask."""
+
+    def __init__(self, arch: str, root: Dataset) -> None:
+        self.arch, self.root = arch, root
+        self._last: tuple[int, dict[str, np.ndarray]] | None = None  # (model version, its root update)
+
+    def of(self, version: int, weights: Mapping[str, np.ndarray], lr: float, seed: int) -> dict[str, np.ndarray]:
+        if self._last is None or self._last[0] != version:
+            names = list(weights)
+            flat = root_direction(self.arch, weights, self.root, names, lr, seed=seed)
+            tensors, start = {}, 0
+            for name in names:
+                size = int(np.asarray(weights[name]).size)
+                tensors[name] = flat[start:start + size].reshape(np.shape(weights[name]))
+                start += size
+            self._last = (version, tensors)
+        return self._last[1]
+
+
+def flattened(tensors: Mapping[str, np.ndarray], names: list[str]) -> np.ndarray:
+    return np.concatenate([np.ravel(tensors[n]) for n in names]).astype(np.float32)
+
+
+def carried_root_update(site_task: SiteTask, specs: Mapping[str, tuple[int, ...]]) -> Callable[[list[str]], np.ndarray] | None:
+    """A site worker's root update under root_trust: the one its site task carries. None when it is
+    missing or unusable: the round is folded without the trust score, and the operator told."""
+    try:
+        update = decode_trust(site_task, specs)
+    except Rejected as exc:
+        update, why = None, f"unusable ({exc})"
+    else:
+        why = "missing"
+    if update is None:
+        log.error("round %d: root_trust is on but the site task's root update is %s; folding without the trust "
+                  "score", site_task.round, why)
+        return None
+    return lambda names: flattened(update, names)

@@ -65,9 +65,9 @@ import numpy as np
 
 from broker_coordinator.aggregation.banks import VerdictBanks
 from broker_coordinator.aggregation.consensus import Consensus
-from broker_coordinator.aggregation.fold import FoldReport
+from broker_coordinator.aggregation.fold import MEDIAN, FoldReport
 from broker_coordinator.aggregation.streaming import StreamingMean
-from broker_coordinator.aggregation.trust import MIN_STANDING, NormBound
+from broker_coordinator.aggregation.trust import FLOOR, MIN_STANDING, NormBound
 from broker_coordinator.aggregation.votes import SignVotes
 from broker_coordinator.settings.choices import (
     AGGREGATORS,
@@ -79,6 +79,7 @@ from edgefl_protocol.sparse_delta import SparseDelta
 GEOMED_ITERATIONS = 8  # Weiszfeld steps: RFA reports 3-4 enough; the held round is small
 AWAY = "its updates pointed away from their rounds before (agreement)"
 OUTSIDE = "its updates lay outside the centre's radius before"
+PROVISIONAL_MIN = 3  # held updates for a first round's provisional centre: the median of fewer is their mean
 OUTLIER_SHARE = 0.05  # centered_clip: the largest share of a round's weight the radius-clipped updates hold
 
 
@@ -110,19 +111,21 @@ class RobustRound:
                  trim: float = 0.2, normalize_steps: bool = False,
                  reference: Callable[[list[str]], np.ndarray] | None = None,
                  center: Mapping[str, np.ndarray] | None = None, radius: NormBound | None = None,
-                 consensus: Consensus | None = None, sign_quorum: float = 0.0, verdict_banks: int = 0) -> None:
+                 consensus: Consensus | None = None, sign_quorum: float = 0.0, verdict_banks: int = 0,
+                 trust: Callable[[list[str]], np.ndarray] | None = None) -> None:
         """`reference(names)`, if given, is gated_mean's direction (flattened in the order of `names`)
         instead of the round's coordinate-wise median (see `reference.py`). `center`, `radius` and
         `consensus` are centered_clip's centre (None: none yet), the adaptive radius' history and the
         devices' standing by agreement with their rounds (see `consensus.py`); `verdict_banks` > 0 lets
-        that verdict act on the round's own updates too (see `banks.py`)."""
+        that verdict act on the round's own updates too (see `banks.py`). `trust(names)`, if given, is the
+        update the coordinator trained on its root data this round (`root_trust`, see `_trusted`)."""
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
         self.specs, self.bound, self.aggregator, self.trim = dict(specs), bound, aggregator, trim
         self.reference = reference
         self.center = ({n: np.asarray(center[n], dtype=np.float32) for n in self.specs}
                        if center is not None and aggregator == "centered_clip" else None)
-        self.radius = radius if radius is not None else NormBound(bound.multiplier or 1.5)
+        self.radius = radius if radius is not None else NormBound.radius(bound.multiplier)
         self.consensus = (consensus if consensus is not None else Consensus()) if aggregator == "centered_clip" else None
         self.sketches: dict[str, np.ndarray] = {}  # centered_clip: device -> sketch of its bounded delta
         # centered_clip: the inside updates in partial sums, so that the round's flags reach its own updates
@@ -145,7 +148,13 @@ class RobustRound:
         self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
         # device -> (the share of its weight its standing kept, why): flags of earlier rounds
         self.discounted: dict[str, tuple[float, str]] = {}
+        self.trust = trust
+        self._root: np.ndarray | None = None  # trust's update, flattened in the order of specs (computed once)
+        self.gated_by = MEDIAN  # what a left-out update's cosine was taken with
         self.count = 0
+        # centered_clip with no centre yet (the first round): hold the first updates for one (see _flush_held)
+        self._awaiting_center = self.consensus is not None and self.center is None
+        self.provisional = False  # the round's centre is the median of its first updates, not a last step
         self.votes = SignVotes(specs, sign_quorum) if sign_quorum > 0 and self.streaming else None
         self.unvoted: float | None = None  # the fraction of coordinates the votes held still, once closed
 
@@ -159,7 +168,7 @@ class RobustRound:
     def report(self) -> FoldReport:
         return FoldReport(self.count, dict(self.clipped), dict(self.centered), dict(self.gated),
                           dict(self.discounted), dict(self.disagreeing or {}), dict(self.held_back),
-                          judged_kin=self.consensus is not None, unvoted=self.unvoted)
+                          judged_kin=self.consensus is not None, unvoted=self.unvoted, gated_by=self.gated_by)
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
             norm: float | None = None) -> None:
@@ -169,7 +178,7 @@ class RobustRound:
         norm = l2_norm(delta) if norm is None else norm
         self.count += 1
         bound = self.bound.bound()
-        if self.streaming and (bound is not None or not self.bound.enabled):
+        if self.streaming and (bound is not None or not self.bound.enabled) and not self._awaiting_center:
             self._stream(device, delta, norm, bound, weight, steps)
             return
         self.held.append(Held(device, {n: np.asarray(a, dtype=np.float32) for n, a in delta.items()},
@@ -183,23 +192,28 @@ class RobustRound:
         self._fold(device, clipped, weight, steps)
 
     def _fold(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int) -> None:
+        trusted = 1.0
+        if self.trust is not None:
+            trusted = self._trusted(delta)
+            if trusted <= 0:
+                self.gated[device] = trusted
+                return
         if self.votes is not None:
             self.votes.add(delta)
         agreement = 1.0
         if self.consensus is not None:
             self.sketches[device] = self.consensus.sketch(self.specs, delta)
             agreement = self.consensus.of(device)  # from earlier rounds, like the radius' standing
-        if self.center is None:
-            if agreement < 1:
-                self.discounted[device] = (agreement, AWAY)
-            self._inside(device, delta, weight * agreement, steps)
-            return
-        # from earlier rounds: the fold keeps its order
-        radius = self.radius.standing.get(device, 1.0)
-        standing = max(radius * agreement, MIN_STANDING)
+        # from earlier rounds (the fold keeps its order), and the root update's word on this one
+        radius = self.radius.standing.get(device, 1.0) if self.center is not None else 1.0
+        standing = max(radius * agreement, MIN_STANDING) * trusted
         if standing < 1:
             self.discounted[device] = (standing, "; ".join(
-                why for why, low in ((AWAY, agreement < 1), (OUTSIDE, radius < 1)) if low))
+                why for why, low in ((AWAY, agreement < 1), (OUTSIDE, radius < 1),
+                                     (f"its cosine with the root update is {trusted:.2f}", trusted < 1)) if low))
+        if self.center is None:
+            self._inside(device, delta, weight * standing, steps)
+            return
         centered = self._center(device, delta)
         outside = self.centered.get(device)
         if self.tau is not None:
@@ -208,6 +222,26 @@ class RobustRound:
             self.outliers.add(centered, weight * standing, steps)
         else:
             self._inside(device, centered, weight * standing, steps)
+
+    def _trusted(self, delta: Mapping[str, np.ndarray]) -> float:
+        """FLTrust's score (Cao et al., NDSS 2021): the update's cosine with the root update, the
+        direction the coordinator's own training on clean data took from the same model. An update
+        at 0 or below is left out; the others weigh their cosine (their sample weight times it), so
+        an attacker must point where clean data points to count, whatever the round's majority."""
+        if self._root is None:
+            assert self.trust is not None
+            self._root = np.asarray(self.trust(list(self.specs)), dtype=np.float32)
+            self._root_norm = float(np.linalg.norm(self._root))
+            self.gated_by = "the root update"
+        if isinstance(delta, SparseDelta) and delta.names == tuple(self.specs):
+            dot = float(np.dot(delta.values.astype(np.float64), self._root[delta.positions]))
+        else:
+            dot, start = 0.0, 0
+            for name in self.specs:
+                values = np.ravel(np.asarray(delta[name], dtype=np.float32))
+                dot += float(np.dot(values, self._root[start:start + len(values)]))
+                start += len(values)
+        return dot / max(l2_norm(delta) * self._root_norm, 1e-12)
 
     def _inside(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int) -> None:
         if self.banks is not None:
@@ -256,9 +290,29 @@ class RobustRound:
         return float(np.sqrt(max(self._center_square + float(np.dot(offset, offset)) - float(np.dot(c, c)), 0.0)))
 
     def _flush_held(self) -> None:
-        """Clip the held (cold-start) deltas against their own median norm and stream them."""
-        for h, delta in self._clip_held():
+        """Clip the held (cold-start) deltas against their own median norm and stream them; in a
+        centered_clip round without a centre, against the provisional centre they give."""
+        clipped = self._clip_held()
+        if self._awaiting_center:
+            self._awaiting_center = False
+            if len(clipped) >= PROVISIONAL_MIN:
+                self._provisional_center(clipped)
+        for h, delta in clipped:
             self._fold(h.device, delta, h.weight, h.steps)
+
+    def _provisional_center(self, clipped: list[tuple[Held, Mapping[str, np.ndarray]]]) -> None:
+        """The first round has no last step to centre on, and a clipped mean of it is what an attacker
+        moves most (20% sign flips cost the served model 20-59 points after round 2 in bench/attacks.py).
+        Its first updates' coordinate-wise median is a centre a minority cannot move far, and the
+        radius is the norm bound's multiplier times their median distance from it (the radius'
+        history, when a site or a resumed coordinator has one)."""
+        self.center = {n: np.median(np.stack([np.asarray(d[n], dtype=np.float32) for _, d in clipped]), axis=0)
+                       .astype(np.float32) for n in self.specs}
+        self._center_flat = None
+        distances = [l2_norm({n: np.asarray(d[n], dtype=np.float32) - self.center[n] for n in self.specs})
+                     for _, d in clipped]
+        self.tau = self.radius.bound() or self.radius.multiplier * max(float(np.median(distances)), FLOOR)
+        self.provisional = True
 
     def result(self) -> dict[str, np.ndarray]:
         """The round's aggregate delta (called once, when the round closes)."""

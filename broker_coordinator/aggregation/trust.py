@@ -37,6 +37,9 @@ from broker_coordinator.settings.choices import WEIGHTINGS
 MIN_KNOWN = 3  # devices with a trusted count before counts are used as weights
 GROWTH = 2.0  # a device's recorded norm may exceed the bound it was judged by only up to this times its last
 MIN_STANDING = 0.05  # centered_clip: the least share of its weight a device keeps, however often it is clipped
+RADIUS_WARMUP = 3  # devices' distances before the radius holds: a round of 3 or 4 is defended from the start
+STRIKES = 2  # a device loses standing from its second strike among its last STRIKE_WINDOW judged updates
+STRIKE_WINDOW = 5  # (an honest device's data can put one update outside; an attacker's keep doing it)
 FLOOR = 1e-3  # L2 norm: no bound goes below multiplier x FLOOR, and a record starts at least from it
 
 
@@ -100,9 +103,17 @@ class NormBound:
         self.multiplier, self.warmup, self.window = multiplier, warmup, window
         self.by_device: OrderedDict[str, float] = OrderedDict()
         # centered_clip's radius: device -> the share of its weight it keeps, lowered each time the radius
-        # clips it (by radius / distance) and raised again (x GROWTH, up to 1) by each update inside it
+        # clips it again (by radius / distance; see STRIKES) and raised again (x GROWTH, up to 1) by each
+        # update inside it
         self.standing: dict[str, float] = {}
+        self.strikes: dict[str, list[int]] = {}  # device -> 1 (outside the radius) or 0, its last judged updates
         self._anonymous = 0
+
+    @classmethod
+    def radius(cls, multiplier: float) -> NormBound:
+        """centered_clip's radius: `multiplier` x the median distance of devices' updates from their
+        rounds' centres, from RADIUS_WARMUP devices on (carried over rounds, like the norm bound's)."""
+        return cls(multiplier or 1.5, warmup=RADIUS_WARMUP)
 
     @property
     def enabled(self) -> bool:
@@ -137,18 +148,30 @@ class NormBound:
         while len(self.by_device) > self.window:
             gone, _ = self.by_device.popitem(last=False)
             self.standing.pop(gone, None)
+            self.strikes.pop(gone, None)
 
     def stand(self, device: str, fraction: float) -> None:
-        """A device judged at `fraction` (radius / distance; 1 inside the radius) of what it claimed."""
+        """A device judged at `fraction` (radius / distance; 1 inside the radius) of what it claimed.
+        One update outside costs its device nothing later (that update is clipped already); from the
+        second among its last STRIKE_WINDOW each costs its fraction."""
+        strikes = self.strikes.setdefault(device, [])
+        strikes.append(int(fraction < 1))
+        del strikes[:-STRIKE_WINDOW]
+        if not any(strikes):
+            del self.strikes[device]
         standing = self.standing.get(device, 1.0)
-        standing = standing * fraction if fraction < 1 else min(1.0, standing * GROWTH)
+        if fraction >= 1:
+            standing = min(1.0, standing * GROWTH)
+        elif sum(strikes) >= STRIKES:
+            standing *= fraction
         if standing < 1:
             self.standing[device] = max(standing, MIN_STANDING)
         else:
             self.standing.pop(device, None)
 
     def state(self) -> dict[str, Any]:
-        return {"by_device": dict(self.by_device), "standing": dict(self.standing)}
+        return {"by_device": dict(self.by_device), "standing": dict(self.standing),
+                "strikes": {d: list(s) for d, s in self.strikes.items()}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.by_device.clear()
@@ -158,3 +181,4 @@ class NormBound:
         for norm in state.get("history") or []:  # a checkpoint from before per-device entries
             self.record(float(norm))
         self.standing = {str(d): float(v) for d, v in (state.get("standing") or {}).items()}
+        self.strikes = {str(d): [int(bool(x)) for x in s][-STRIKE_WINDOW:] for d, s in (state.get("strikes") or {}).items()}

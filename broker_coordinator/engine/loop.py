@@ -41,7 +41,7 @@ import numpy as np
 from broker_coordinator.access.broker import COORDINATOR_USER
 from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.fold import Fold
-from broker_coordinator.aggregation.reference import root_direction
+from broker_coordinator.aggregation.reference import RootUpdates, flattened
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.server_optimizer import ServerOptimizer
 from broker_coordinator.aggregation.serving import ServedAverage
@@ -91,10 +91,13 @@ class Engine:
         if settings.reference == "root" and (root_set is None or len(root_set) == 0):
             raise ValueError("reference = \"root\" needs a small labelled dataset on the coordinator: set "
                              "[federation] root_data (not the test set)")
+        if settings.root_trust and (root_set is None or len(root_set) == 0):
+            raise ValueError("root_trust = true needs a small labelled dataset on the coordinator: set "
+                             "[federation] root_data (100-500 examples the operator trusts, not the test set)")
         if root_set is not None and objective.task != "classification":
             raise ValueError("root_data (the trusted reference) is for classification tasks; unset it for "
                              f"a {objective.task} task")
-        self.root_set = root_set
+        self.root = RootUpdates(arch, root_set) if root_set is not None else None
         self.fed = topics.check_name("federation", federation)
         self.arch, self.settings, self.test_set = arch, settings, test_set
         self.store, self.metrics, self.on_state = store, metrics or Metrics(), on_state
@@ -131,7 +134,7 @@ class Engine:
         # centered_clip: the last applied aggregate step is the next round's centre (known before the
         # round opens, to the sites too), and the radius' history of distances from it
         self.center: dict[str, np.ndarray] | None = None
-        self.radius = NormBound(settings.norm_bound or 1.5)
+        self.radius = NormBound.radius(settings.norm_bound)
         self.consensus = Consensus(settings.kinship, settings.agreement_floor)  # standing by agreement
         keys = dict(device_keys or {})
         self.privacy = private_rounds_for(settings, len(keys))
@@ -310,16 +313,22 @@ class Engine:
         s = self.settings
         if self.privacy:
             return self.privacy.fold(self.specs)
+        root = self._root_update(round_no)
         return RobustRound(self.specs, self.norm_bound, s.aggregator, s.trim, s.normalize_steps,
-                           self._reference(round_no), self.center, self.radius, self.consensus,
-                           s.sign_quorum, s.verdict_banks)
+                           root if s.reference != "median" else None, self.center, self.radius, self.consensus,
+                           s.sign_quorum, s.verdict_banks, trust=root if s.root_trust else None)
 
-    def _reference(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
-        if self.settings.reference == "median" or self.root_set is None:
+    def _root_update(self, round_no: int) -> Callable[[list[str]], np.ndarray] | None:
+        """The update of the coordinator's own training on root_data from this round's model (None: no
+        root data), computed when the fold first asks for it."""
+        if self.root is None:
             return None
-        base = dict(self.weights)  # the model this round's devices trained from
+        return lambda names: flattened(self.root_step(round_no), names)
+
+    def root_step(self, round_no: int) -> dict[str, np.ndarray]:
+        assert self.root is not None
         lr = float(self.settings.task_hparams(round_no)["lr"])
-        return lambda names: root_direction(self.arch, base, self.root_set, names, lr, seed=round_no)
+        return self.root.of(self.version, self.weights, lr, seed=round_no)
 
     def task(self, round_no: int, attempt: int, deadline: float, evaluate: bool, train: bool = True) -> messages.Task:
         s = self.settings

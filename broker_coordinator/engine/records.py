@@ -12,7 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 from broker_coordinator.aggregation.consensus import Consensus
-from broker_coordinator.aggregation.fold import FoldReport
+from broker_coordinator.aggregation.fold import MEDIAN, FoldReport
 from broker_coordinator.engine.private_rounds import PrivateRounds
 from broker_coordinator.engine.verdicts import Verdicts
 from broker_coordinator.reporting.metrics import Metrics
@@ -110,9 +110,9 @@ class RoundRecords:
             rnd.device_metrics.setdefault(device, {})["weight_share"] = f"{share:.2f} ({why})"
         if report.discounted:
             clipped["reduced_weight"] = len(report.discounted)
-        for device, cosine in report.gated.items():
-            log.warning("round %d: update from %s left out: it points away from the round's median "
-                        "(cosine %.2f)", rnd.number, device, cosine)
+        for device, cosine in report.gated.items():  # the root update leaves out honest skewed data routinely
+            log.log(logging.WARNING if report.gated_by == MEDIAN else logging.INFO, "round %d: update from %s "
+                    "left out: it points away from %s (cosine %.2f)", rnd.number, device, report.gated_by, cosine)
             self.metrics.bounded.labels("direction").inc()
             rnd.device_metrics.setdefault(device, {})["left_out"] = f"direction (cosine {cosine:.2f})"
         for device, (norm, bound) in report.clipped.items():

@@ -48,6 +48,7 @@ import msgpack
 
 from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.privacy import PrivateRound
+from broker_coordinator.aggregation.reference import carried_root_update
 from broker_coordinator.aggregation.private_partials import partial_fields, site_privacy
 from broker_coordinator.aggregation.robust import RobustRound
 from broker_coordinator.aggregation.votes import vote_fields
@@ -82,7 +83,7 @@ from edgefl_models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",
-               "sign_quorum", "kinship", "agreement_floor", "verdict_banks")
+               "sign_quorum", "kinship", "agreement_floor", "verdict_banks", "root_trust")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -155,7 +156,7 @@ class SiteWorker:
         self.transport: Transport = InMemoryTransport()  # until `connect`
         self.sample_weights = SampleWeights()
         self.norm_bound = NormBound()
-        self.radius = NormBound()  # centered_clip: distances of this site's devices from the round's centre
+        self.radius = NormBound.radius(1.5)  # centered_clip: distances of this site's devices from the round's centre
         self.consensus = Consensus()  # centered_clip: its devices' standing by agreement with their rounds
         self.server_rule: SiteRule | Any = None  # the round's (each site task names its algorithm)
         closed_at: dict[int, float] = {}
@@ -315,7 +316,7 @@ class SiteWorker:
             self.rules = rules
             self.sample_weights = SampleWeights(rules.get("weighting", "capped"), rules.get("weight_cap", 2.0))
             self.norm_bound = NormBound(rules.get("norm_bound", 1.5))
-            self.radius = NormBound(rules.get("norm_bound", 1.5) or 1.5)
+            self.radius = NormBound.radius(rules.get("norm_bound", 1.5))
         rules.setdefault("aggregator", "mean")  # a coordinator from before the centre was sent
         settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
         self.consensus.kinship = settings.kinship
@@ -325,6 +326,7 @@ class SiteWorker:
         except Rejected as exc:
             log.error("round %d: the site task's centre is unusable (%s); folding without one", site_task.round, exc)
             center = None
+        trust = carried_root_update(site_task, self.specs) if settings.root_trust else None
         algorithm = algorithms.get(task.algorithm)
         self.server_rule = SiteRule(algorithm.server(task.hparams))
         self.server_rule.start_round(site_task.round, self.presence.population())
@@ -338,7 +340,8 @@ class SiteWorker:
                     RobustRound(self.specs, self.norm_bound, settings.aggregator,
                                 normalize_steps=settings.normalize_steps, center=center, radius=self.radius,
                                 consensus=self.consensus, sign_quorum=settings.sign_quorum,
-                                verdict_banks=settings.verdict_banks),
+                                verdict_banks=settings.verdict_banks,
+                                trust=trust),
                     train=task.train, extras=StreamingMean(extra_specs) if extra_specs else None)
         rnd.move(RoundState.COLLECTING)
         return rnd

@@ -168,10 +168,12 @@ class Sites:
         s = engine.settings
         rules = {**site_rules(s), **(engine.privacy.site_privacy().rules() if engine.privacy else {})}
         center_specs, center = encode_center(engine.center if s.aggregator == "centered_clip" else None)
+        trust_specs, trust = encode_center(engine.root_step(rnd.number) if s.root_trust else None)
         payload = messages.encode("task", task)
         unsent = engine.transport.publish_all(
             [(site_topic(engine.fed, site, "task"),
-              encode_site_task(SiteTask(rnd.number, rnd.attempt, k, payload, rules, center_specs, center)))
+              encode_site_task(SiteTask(rnd.number, rnd.attempt, k, payload, rules, center_specs, center,
+                                        trust_specs, trust)))
              for site, k in sorted(rnd.shares.items())],
             min(deadline, time.time() + 60))
         for topic in unsent:
@@ -271,6 +273,7 @@ class Sites:
         deadline = time.time() + s.round_timeout
         engine.publish_model(deadline)
         center_specs, center = encode_center(engine.center if s.aggregator == "centered_clip" else None)
+        trust_specs, trust = encode_center(engine.root_step(buffer.number) if s.root_trust else None)
         payloads = []
         for site, k in sorted(share.items()):
             attempt = schedule.ticket(engine, site, buffer, deadline)
@@ -279,7 +282,8 @@ class Sites:
                                evaluate=engine.evaluate_devices)
             payloads.append((site_topic(engine.fed, site, "task"),
                              encode_site_task(SiteTask(buffer.number, attempt, k, messages.encode("task", task),
-                                                       site_rules(s), center_specs, center))))
+                                                       site_rules(s), center_specs, center,
+                                                       trust_specs, trust))))
         for topic in engine.transport.publish_all(payloads, min(deadline, time.time() + 60)):
             log.error("version %d: the task for site %s could not be published", buffer.number,
                       topic.split("/")[3])

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from broker_coordinator.aggregation.fold import Fold
+from broker_coordinator.aggregation.fold import MEDIAN, Fold
 
 log = logging.getLogger("broker_coordinator")
 FOLDED, CLIPPED, LEFT_OUT, PENDING = "folded", "clipped", "left_out", "pending"
@@ -73,7 +73,8 @@ def _dot_ratio(center: Mapping[str, np.ndarray] | None, delta: Mapping[str, np.n
 def judge(aggregate: Any, device: str, ratio: float | None) -> Verdict:
     """The verdict on `device`'s update once the fold has decided it (see the module's docstring)."""
     if device in aggregate.gated:
-        return Verdict(LEFT_OUT, 0.0, f"direction: cosine {aggregate.gated[device]:.2f} with the round's median")
+        return Verdict(LEFT_OUT, 0.0, f"direction: cosine {aggregate.gated[device]:.2f} with "
+                                      f"{getattr(aggregate, 'gated_by', MEDIAN)}")
     share, why = aggregate.discounted.get(device, (1.0, ""))
     weighed = f"weighed at {share:.2f} of its claim: {why}" if share < 1 else ""
     scale, parts = 1.0, []

@@ -36,6 +36,7 @@ class Settings(Protocol):
     verdict_banks: int
     mode: str
     eval_only_every: int
+    root_trust: bool
 
     def task_hparams(self, round_no: int) -> dict[str, float]: ...
 
@@ -144,6 +145,15 @@ RULES: tuple[Rule, ...] = (
     _beyond_the_clip("verdict_banks", "a bank is held back when another device's update in it is flagged, which "
                                       "depends on the other updates of the round: beyond the clip C the noise "
                                       "covers"),
+    Rule('root_trust + aggregator gated_mean | trimmed_mean | median | geomed', "not built",
+         "the trust score weighs each update as a streaming fold takes it in; gated_mean has its own use of the "
+         "root update (reference = \"root\"), and the others fold coordinates, not weighted updates",
+         lambda s, t: s.root_trust and s.aggregator not in STREAMING,
+         f"root_trust = false (or reference = \"root\" with gated_mean), or aggregator = one of {', '.join(STREAMING)}"),
+    Rule('privacy central + root_trust', "mathematical",
+         "an update's weight would be its cosine with the root update, and the leftover weight of the round "
+         "changes the mean's denominator: the clip C the noise is calibrated to would no longer bound one device",
+         lambda s, t: _private(s) and s.root_trust, "root_trust = false"),
     Rule('mode buffered + eval_only_every', "mathematical",
          "buffered mode has no rounds to pause for an evaluation",
          lambda s, t: s.mode == "buffered" and s.eval_only_every != 0,

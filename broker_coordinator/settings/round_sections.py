@@ -163,6 +163,7 @@ class FoldSettings:
     kinship: float = DEFAULT_KINSHIP  # centered_clip: flag devices whose updates depart alike (path cosine over it); 0 = off
     agreement_floor: float = DEFAULT_AGREEMENT_FLOOR  # centered_clip: an update points away below -this median cosine
     verdict_banks: int = 0  # centered_clip: partial sums that let a round's flags hold back its own updates; 0 = off
+    root_trust: bool = False  # weigh each update by its cosine with the coordinator's update on [federation] root_data
 
     def validate(self) -> None:
         _check(self, [
@@ -179,6 +180,7 @@ class FoldSettings:
                                                "flagged; 0 = off)"),
             ("agreement_floor", 0 <= self.agreement_floor < 1,
              "must be in [0, 1) (the median cosine below whose negative an update counts as pointing away; 0 = below 0)"),
+            ("root_trust", isinstance(self.root_trust, bool), "must be true or false"),
             ("verdict_banks", type(self.verdict_banks) is int and 0 <= self.verdict_banks <= 64,
              "must be an integer from 0 (off) to 64 (partial sums of the model a round keeps)"),
         ])

@@ -74,6 +74,9 @@ class RoundSettings:
     # updates (a flagged update's sum at 5%); memory this x model; 0 = flags act from the next update on
     # (aggregation/banks.py)
     verdict_banks: int = 0
+    # streaming folds: weigh each update by its cosine with the update the coordinator trains on [federation]
+    # root_data from the same model, leaving out those at 0 or below (FLTrust; aggregation/robust.py); opt-in
+    root_trust: bool = False
     reference: str = "auto"  # gated_mean's direction: "root" (needs root data), "median", or "auto" (root if given)
     # evaluate, keep and release an EMA of the global models with this decay (devices still train from the last
     # one); 0 = the last model. 0.75: one bad round moves the served model a quarter as far (bench/results/attacks.json)
