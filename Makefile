@@ -1,6 +1,6 @@
 # EdgeFL: `make demo` runs a federation on this machine; `make test` runs the tests.
 # Slower checks have their own targets, each writing to bench/results/ (see the README):
-# field, field-settings, served-decay, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost, engine-parity, pacing,
+# field, field-settings, served-decay, field-quick, test-soak, attacks, fault-drill, scale, spool, composition, privacy, dp-sgd-cost, root-trust-cost, engine-parity, pacing,
 # pi-check, pi-dp-sgd, service-check.
 # All create .venv, install the project with a CPU-only build of torch, and make
 # sure Mosquitto is installed (installing it with apt-get when run as root).
@@ -32,7 +32,7 @@ FIELD_SETTINGS_ARGS ?=
 SCALE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: upgrade-drill serving pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
+.PHONY: root-trust-cost upgrade-drill serving pacing engine-parity privacy dp-sgd-cost pi-dp-sgd composition demo test test-soak setup mosquitto clean attacks fault-drill scale pi-check service-check field field-settings served-decay field-quick spool buffered downlink dist torch-debian
 
 demo: setup mosquitto
 	$(BIN)/broker-coordinator simulate --out demo-out --fleet $(DEMO_FLEET) --round-timeout 6 $(DEMO_ARGS)
@@ -54,6 +54,9 @@ downlink: setup mosquitto  # bench/results/downlink.json, downlink.md (float32 v
 
 test: setup mosquitto
 	$(BIN)/python -m pytest -q
+
+root-trust-cost: setup  # bench/results/root_trust_cost.json, .md: what [fold] root_trust adds to the coordinator's round (about a minute)
+	$(BIN)/python -m bench.root_trust_cost
 
 dp-sgd-cost: setup  # bench/results/dp_sgd_cost.json, .md: a device's local round with and without DP-SGD under a Pi 4's CPU quota (about 2 minutes)
 	$(BIN)/python -m bench.dp_sgd_cost $(DP_SGD_COST_ARGS)

@@ -1,7 +1,7 @@
 """Attack benchmark (a benchmark, not a test): a fraction of enrolled devices send signed,
 well-formed, malicious updates, against what ships, flat and in sites.
 
-    python -m bench.attacks              # the grid (about 2 hours with --jobs 2 on 2 cores, 20 minutes a full fold)
+    python -m bench.attacks --jobs 2     # the grid (about an hour on 2 cores, 20 minutes a full fold)
     python -m bench.attacks --quick      # a smoke run: one partition, 3 rounds, 3 runs, one seed
     python -m bench.attacks --report     # rebuild attacks.json / attacks.md / attacks.png from cached runs
 
@@ -39,6 +39,12 @@ FedProx's Synthetic(1,1) over 30 (logistic regression); 2 seeds; on the second p
 clean, absent and the 10% attacks that move the model most (`SECOND_ATTACKS`); `mean` runs only
 `BASELINE_RUNS`, the folds that hold the round (`HELD_FOLDS`) only `HELD_RUNS` on the headline.
 Runs are cached per (partition, run, fold, seed) in bench/results/attacks_runs/ (resumable).
+
+Each run records, besides its accuracy per round, what the fold did to honest devices: the share of
+their updates folded below full weight (`honest_down_weighted`) and the least weight one kept
+(`honest_min_weight`, 0 if one was left out); the report adds each attacked run's `early_gap`, the
+largest clean-minus-attacked served accuracy over rounds 2-5. The `centered_clip+root` row gives the
+coordinator ROOT_SAMPLES clean examples (`root_set`) and turns on `[fold] root_trust`.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import numpy as np
 
 from .attacks_report import (  # the grid's names, which the report reads too
     FOLDS,
+    GRID,
     HEADLINE,
     RESULTS,
     ROOT_SAMPLES,
@@ -291,7 +298,8 @@ def run_measured_with(result: dict) -> dict:
     settings = RoundSettings(clients_per_round=10, round_timeout=ROUND_TIMEOUT, **FOLDS[result["fold"]])
     topology = "sites" if result["run"].startswith("sites/") else "flat"
     return {"commit": result["commit"], "command": result["command"], **provenance.deciding(settings, topology),
-            "sign_quorum": settings.sign_quorum,
+            "sign_quorum": settings.sign_quorum, "root_trust": settings.root_trust,
+            **({"root_data": f"{ROOT_SAMPLES} examples of the honest devices' pooled data"} if settings.root_trust else {}),
             "partition": result["partition"], "run": result["run"], "fold": result["fold"], "seed": result["seed"],
             "rounds": result["rounds"], "arch": ARCH.get(result["partition"], "partition's own"),
             "clients_per_round": 10, "round_timeout": ROUND_TIMEOUT, "transport": "in-memory (bench/inmemory.py)",
@@ -336,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.attacks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (one torch thread each)")
-    parser.add_argument("--folds", default=",".join(FOLDS), help="comma-separated folds (rows)")
+    parser.add_argument("--folds", default=",".join(GRID),
+                        help=f"comma-separated folds (rows) of: {', '.join(FOLDS)} (default: the grid)")
     parser.add_argument("--quick", action="store_true", help="3 rounds, 3 runs, seed 1: a smoke run")
     parser.add_argument("--report", action="store_true", help="only rebuild the files from cached runs")
     args = parser.parse_args(argv)

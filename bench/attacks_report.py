@@ -47,6 +47,12 @@ def run_key(partition: str, run: str, fold: str, seed: int, rounds: int) -> str:
     return f"{partition}__{run.replace('/', '-')}__{fold}__s{seed}__r{rounds}"
 
 DEFAULT_FOLD = "centered_clip"
+ROOT_FOLD = "centered_clip+root"
+EARLY = range(2, 6)  # the rounds whose served model the early gap compares
+# the rows the grid runs; FOLDS' other rows are research variants, measured with the agreement stage of an
+# earlier release (docs/RESEARCH.md) and run again only when named (--folds)
+GRID = ("centered_clip", "centered_clip+root", "centered_clip+votes", "mean", "mean+serve0", "geomed", "trimmed_mean",
+        "median")
 CUT = (f"the second partition ({SECOND}) runs clean, absent@0.1 and {', '.join(SECOND_ATTACKS)} at 10% only, "
        "flat only; 10 rounds on the headline partition, with the MLP (not the issue's 25 with the CNN); sites only on the headline partition (clean and one "
        "compromised site of 4); geomed, trimmed_mean and median (they hold the round) on the headline only, 7 runs")
@@ -64,7 +70,21 @@ def _cell(records: list[dict]) -> dict:
     if any("forged_partials" in r for r in records):
         cell["forged_partials"] = sum(r.get("forged_partials", 0) for r in records)
     cell["clipped"] = {k: sum(r["clipped"].get(k, 0) for r in records) for r in records for k in r["clipped"]}
+    if all("honest_down_weighted" in r for r in records):  # runs made before the share was recorded have none
+        honest = sum(r["honest_updates"] for r in records)
+        cell["honest_down_weighted"] = (sum(r["honest_down_weighted"] * r["honest_updates"] for r in records)
+                                        / max(1, honest))
+        cell["honest_min_weight"] = min(r["honest_min_weight"] for r in records)
     return cell
+
+
+def early_gap(attacked: list[dict], clean: list[dict]) -> float | None:
+    """Points: the largest clean-minus-attacked served accuracy over rounds EARLY, the worst seed (None
+    without the clean run of a seed)."""
+    by_seed = {r["seed"]: r["accuracy"] for r in clean}
+    gaps = [100 * (by_seed[r["seed"]][i - 1] - r["accuracy"][i - 1]) for r in attacked if r["seed"] in by_seed
+            for i in EARLY if i <= len(r["accuracy"])]
+    return max(gaps) if gaps else None
 
 
 def _mean(xs: list[float]) -> float:
@@ -90,6 +110,18 @@ def targets(runs: dict, fold: str = DEFAULT_FOLD) -> dict:
             success = max(cells[fold]["attack_success"])
             limit = 0.1 if frac == "0.1" else 0.2
             out[f"{key} success <= {limit:g}"] = {"worst": round(success, 4), "met": success <= limit}
+    second = runs.get(SECOND, {})
+    for key, cells in second.items():
+        attack, _, frac = key.partition("@")
+        absent = second.get(f"absent@{frac}", {}).get(fold)
+        if key.startswith(("absent", "clean")) or fold not in cells or not absent:
+            continue
+        worst = max(100 * (a - b) for a, b in zip(absent["final_accuracy"], cells[fold]["final_accuracy"]))
+        out[f"{SECOND} {key} within 2 of absent"] = {"worst_points_below": round(worst, 2), "met": worst <= 2.0}
+    for key, cells in head.items():
+        if key.endswith("@0.2") and not key.startswith("absent") and "early_gap" in cells.get(fold, {}):
+            gap = cells[fold]["early_gap"]
+            out[f"{key} early gap <= 5"] = {"worst_points": round(gap, 2), "met": gap <= 5.0}
     # the plain mean serving the same model where it ran (mean+serve0 for folds serving the last model), else
     # the shipped one
     mean = "mean+serve0" if FOLDS.get(fold, {}).get("serve_average") == 0 else "mean"
@@ -100,6 +132,10 @@ def targets(runs: dict, fold: str = DEFAULT_FOLD) -> dict:
             out[f"{partition} clean within 0.5 of mean"] = {"points_below": round(gap, 2), "met": gap <= 0.5}
             left = clean[fold]["honest_left_out"]
             out[f"{partition} clean honest left out <= 5%"] = {"fraction": left, "met": left <= 0.05}
+        if "honest_down_weighted" in clean.get(fold, {}):
+            share, least = clean[fold]["honest_down_weighted"], clean[fold]["honest_min_weight"]
+            out[f"{partition} clean honest down-weighted <= 2%"] = {"fraction": round(share, 4), "met": share <= 0.02}
+            out[f"{partition} clean honest weight >= 0.6"] = {"least": round(least, 3), "met": least >= 0.6}
     site = head.get("sites/compromised_site@0.25", {}).get(fold)
     tree = head.get("sites/clean", {}).get(fold)
     if site and tree:
@@ -121,9 +157,16 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
                 json.loads(path.read_text()))
     runs = {p: {run: {fold: _cell(rs) for fold, rs in cells.items()} for run, cells in by_run.items()}
             for p, by_run in grouped.items()}
+    for p, by_run in grouped.items():
+        for run, cells in by_run.items():
+            clean = by_run.get("sites/clean" if run.startswith("sites/") else "clean", {})
+            for fold, records in cells.items():
+                gap = early_gap(records, clean.get(fold, [])) if "clean" not in run else None
+                if gap is not None:
+                    runs[p][run][fold]["early_gap"] = gap
     commits = sorted({r["commit"] for by_run in grouped.values() for cells in by_run.values()
                       for rs in cells.values() for r in rs})
-    stages = ("sign_quorum", "kinship", "verdict_banks", "agreement_floor", "serve_average")  # what FOLDS vary
+    stages = ("sign_quorum", "kinship", "verdict_banks", "agreement_floor", "serve_average", "root_trust")  # FOLDS vary
     rows = [RoundSettings(**FOLDS[f]) for f in folds]
     settings = {k: v for k, v in provenance.deciding(RoundSettings()).items()
                 if k not in ("aggregator", "topology", *stages)}
@@ -140,6 +183,8 @@ def report(jobs: list[tuple], folds: list[str]) -> dict:
              "intake and fold; sites through SiteWorker and fold_partials; no broker"),
         "default_fold": DEFAULT_FOLD, "runs": runs}
     out["targets"] = targets(runs)
+    if any(ROOT_FOLD in cells for cells in runs.get(HEADLINE, {}).values()):
+        out["targets_root_trust"] = targets(runs, ROOT_FOLD)
     # the same targets for every fold that ran every run: how many each holds
     out["targets_held"] = {f: f"{sum(t['met'] for t in held.values())} of {len(held)}"
                            for f in folds if len(held := targets(runs, f)) == len(out["targets"])}
@@ -186,14 +231,43 @@ def markdown(out: dict, folds: list[str]) -> str:
                 row.append(text)
             lines.append(f"| {run} | " + " | ".join(row) + " |")
         lines.append("")
-    lines += ["## Targets (default fold, both seeds)", "", "| target | measured | met |", "|---|---:|---|"]
-    for name, t in out["targets"].items():
-        value = next(v for k, v in t.items() if k != "met")
-        lines.append(f"| {name} | {value} | {'yes' if t['met'] else '**no**'} |")
+    lines += _honest_and_early(out, folds)
+    for title, key in (("default fold", "targets"), (f"`{ROOT_FOLD}`: the default fold with root_trust", "targets_root_trust")):
+        if key not in out:
+            continue
+        lines += [f"## Targets ({title}, both seeds)", "", "| target | measured | met |", "|---|---:|---|"]
+        for name, t in out[key].items():
+            value = next(v for k, v in t.items() if k != "met")
+            lines.append(f"| {name} | {value} | {'yes' if t['met'] else '**no**'} |")
+        lines.append("")
     lines += ["", "Targets held by each fold that ran every run (the same targets on its own cells; the clean gap "
               "to the plain mean serving the same model: `mean+serve0` for folds serving the last model, else `mean`):", "",
               "| fold | held |", "|---|---|"] + [f"| {f} | {h} |" for f, h in out.get("targets_held", {}).items()]
     return "\n".join(lines) + "\n"
+
+
+def _honest_and_early(out: dict, folds: list[str]) -> list[str]:
+    """What each fold costs honest devices in clean runs, and how far 20% attackers put the served model
+    below the clean run's over rounds 2-5 (points, the worst seed)."""
+    lines = ["## Honest devices in clean runs, and the first rounds under 20% attackers", "",
+             "down-weighted: the share of honest updates folded below their full weight; least: the smallest "
+             "weight an honest update kept (0 = left out). Early gap: clean minus attacked served accuracy, the "
+             "largest over rounds 2-5.", ""]
+    head = out["runs"].get(HEADLINE, {})
+    early = [run for run in head if run.endswith("@0.2") and not run.startswith("absent")]
+    lines += ["| fold | " + " | ".join(f"{p[:9]} clean: down-weighted, least" for p in out["runs"])
+              + " | " + " | ".join(f"early gap {run}" for run in early) + " |",
+              "|---|" + "---:|" * (len(out["runs"]) + len(early))]
+    for fold in folds:
+        row = []
+        for partition in out["runs"]:
+            cell = out["runs"][partition].get("clean", {}).get(fold, {})
+            row.append(f"{100 * cell['honest_down_weighted']:.1f}%, {cell['honest_min_weight']:.2f}"
+                       if "honest_down_weighted" in cell else "-")
+        row += [f"{head[run][fold]['early_gap']:.1f}" if "early_gap" in head[run].get(fold, {}) else "-"
+                for run in early]
+        lines.append(f"| {fold} | " + " | ".join(row) + " |")
+    return lines + [""]
 
 
 def plot(out: dict, folds: list[str]) -> None:

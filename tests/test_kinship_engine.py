@@ -130,6 +130,7 @@ def test_verdict_banks_hold_back_a_flagged_update_in_its_own_round_at_a_site_and
         buffered = RoundSettings(**{**settings.__dict__, "mode": "buffered", "buffer_size": len(keys),
                                     "max_staleness": 2})
         c = Engine(FED, ARCH, digits.test, buffered, device_keys=keys)
+        c.center = {n: np.zeros(s, np.float32) for n, s in specs.items()}  # as at the site: a centre, no radius yet
         buffer = c.schedule.open_buffer(c, 1)
         for attempt, (device, payload) in enumerate(_flipped_round(specs, keys, 1, 0, own_tasks=True).items(), start=1):
             c.schedule.tickets[(1, attempt)] = Ticket(device, 0, time.time() + 60)

@@ -26,6 +26,7 @@ from edgefl_models.architectures import build_model, get_weights, set_weights
 from edgefl_models.datasets import Dataset
 from edgefl_protocol.errors import Rejected
 from edgefl_protocol.site_partials import SiteTask, decode_trust
+from edgefl_protocol.sparse_delta import SparseDelta
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,19 @@ class RootUpdates:
                 start += size
             self._last = (version, tensors)
         return self._last[1]
+
+
+def dot_with(delta: Mapping[str, np.ndarray], root: np.ndarray, names: list[str]) -> float:
+    """<delta, root>, `root` flattened in the order of `names` (a top-k delta from its kept values)."""
+    if isinstance(delta, SparseDelta) and delta.names == tuple(names):
+        dot = float(np.dot(delta.values.astype(np.float64), root[delta.positions]))
+    else:
+        dot, start = 0.0, 0
+        for name in names:
+            values = np.ravel(np.asarray(delta[name], dtype=np.float32))
+            dot += float(np.dot(values, root[start:start + len(values)]))
+            start += len(values)
+    return dot
 
 
 def flattened(tensors: Mapping[str, np.ndarray], names: list[str]) -> np.ndarray:

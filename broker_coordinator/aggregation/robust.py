@@ -33,8 +33,10 @@ then combined by one of (`RoundSettings.aggregator`):
   O(model) (plus a 2,048-number sketch per update of the round) at any cohort
   size. With `verdict_banks` (`banks.py`) the round's flags also hold back
   its own flagged updates, from N partial sums instead of one. Without a
-  centre (the first round) it is the clipped mean, weighed by the same
-  standing.
+  centre (the first round) it holds its first `warmup` updates and centres on
+  their coordinate-wise median (`_provisional_center`), with a radius from
+  their distances to it; with fewer than PROVISIONAL_MIN updates in all, the
+  clipped mean, weighed by the same standing.
 - `mean`: the weighted mean of the norm-bounded deltas, streamed.
 - `gated_mean`: the weighted mean of the deltas that point the same way as
   the round's coordinate-wise median (cosine > 0), at least the most aligned
@@ -46,6 +48,10 @@ then combined by one of (`RoundSettings.aggregator`):
 The last three hold the round's deltas (memory O(cohort x model)) and ignore
 sample weights and step normalization: that is their price, and why they
 cannot run at a site (a partial carries sums, not the deltas a median needs).
+
+Either streaming fold may weigh each update by its cosine with the update the
+coordinator trained on its root data (`root_trust`, `_trusted`; FLTrust), and
+leave out those at 0 or below.
 
 Either streaming fold may add sign votes (`sign_quorum` > 0, `votes.py`): each bounded delta
 votes the sign of every parameter it moves, and the round's aggregate keeps only the parameters
@@ -66,6 +72,7 @@ import numpy as np
 from broker_coordinator.aggregation.banks import VerdictBanks
 from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.fold import MEDIAN, FoldReport
+from broker_coordinator.aggregation.reference import dot_with
 from broker_coordinator.aggregation.streaming import StreamingMean
 from broker_coordinator.aggregation.trust import FLOOR, MIN_STANDING, NormBound
 from broker_coordinator.aggregation.votes import SignVotes
@@ -233,15 +240,7 @@ class RobustRound:
             self._root = np.asarray(self.trust(list(self.specs)), dtype=np.float32)
             self._root_norm = float(np.linalg.norm(self._root))
             self.gated_by = "the root update"
-        if isinstance(delta, SparseDelta) and delta.names == tuple(self.specs):
-            dot = float(np.dot(delta.values.astype(np.float64), self._root[delta.positions]))
-        else:
-            dot, start = 0.0, 0
-            for name in self.specs:
-                values = np.ravel(np.asarray(delta[name], dtype=np.float32))
-                dot += float(np.dot(values, self._root[start:start + len(values)]))
-                start += len(values)
-        return dot / max(l2_norm(delta) * self._root_norm, 1e-12)
+        return dot_with(delta, self._root, list(self.specs)) / max(l2_norm(delta) * self._root_norm, 1e-12)
 
     def _inside(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int) -> None:
         if self.banks is not None:

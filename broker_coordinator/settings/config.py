@@ -9,7 +9,7 @@
                                          # evaluate on their held-out slices ([evaluation] evaluate)
     rounds = 0                           # 0 = run until stopped
     seed = 0
-    root_data = ""                       # trusted (x, y) for reference = "root"; never the test set
+    root_data = ""                       # trusted (x, y) for root_trust / reference = "root"; never the test set
     min_protocol = 1                     # the oldest protocol version served (1: agents of 0.1.0 train too)
 
     [broker]
@@ -131,7 +131,7 @@ class FederationSettings:
     loss: str = ""  # "" = the task's default: cross_entropy, or mse for regression
     rounds: int = 0
     seed: int = 0
-    root_data: str = ""  # a small trusted labelled set (x, y), for [fold] reference = "root"
+    root_data: str = ""  # a small trusted labelled set (x, y) (.npz), for [fold] root_trust and reference = "root"; never the test set
     min_protocol: int = OLDEST_SCHEMA  # the oldest protocol version served: agents that speak only older ones are told to upgrade
 
     def validate(self) -> None:

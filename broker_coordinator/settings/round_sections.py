@@ -163,7 +163,7 @@ class FoldSettings:
     kinship: float = DEFAULT_KINSHIP  # centered_clip: flag devices whose updates depart alike (path cosine over it); 0 = off
     agreement_floor: float = DEFAULT_AGREEMENT_FLOOR  # centered_clip: an update points away below -this median cosine
     verdict_banks: int = 0  # centered_clip: partial sums that let a round's flags hold back its own updates; 0 = off
-    root_trust: bool = False  # weigh each update by its cosine with the coordinator's update on [federation] root_data
+    root_trust: bool = False  # streaming folds: weigh each update by its cosine with the coordinator's own update on [federation] root_data (FLTrust); at 0 or below it is left out
 
     def validate(self) -> None:
         _check(self, [
