@@ -45,6 +45,17 @@ def algorithm_of(row: str) -> str:
     return row.split("+")[0].split("-")[0]
 
 
+def honest_weights(runs: list[dict]) -> dict[str, float]:
+    """Every device of these runs is honest: the share of their updates the fold weighed below full weight
+    (or left out), and the least weight one kept, from the rounds' device records."""
+    shares = [0.0 if "left_out" in m else float(str(m.get("weight_share", "1")).split()[0])
+              for r in runs for rnd in r["signals"] for m in rnd.values() if "passes" in m]
+    if not shares:
+        return {}
+    return {"honest_down_weighted": round(sum(x < 1 for x in shares) / len(shares), 4),
+            "honest_min_weight": min(shares)}
+
+
 def summarize(records: list[dict], decay: float | None = None) -> dict[str, dict[str, dict]]:
     """{setting: {row: final and best accuracy per seed (%), the worst final-minus-best, passes}}, scoring the
     model served at `serve_average = decay` (None: the shipped coordinator's)."""
@@ -64,7 +75,8 @@ def summarize(records: list[dict], decay: float | None = None) -> dict[str, dict
             passes = mean([mean([m["passes"] for rnd in r["signals"] for m in rnd.values() if "passes" in m])
                            for r in runs])
             last = [r["accuracy"] for r in runs]
-            out[row] = {"seeds": [r["seed"] for r in runs], "final_accuracy": finals, "best_accuracy": bests,
+            out[row] = {**honest_weights(runs), "seeds": [r["seed"] for r in runs], "final_accuracy": finals,
+                        "best_accuracy": bests,
                         "final_minus_best_worst": round(min(f - b for f, b in zip(finals, bests)), 2),
                         "passes": round(passes, 2), "commits": sorted({r.get("commit", "?") for r in runs}),
                         # the last global model (what the coordinator served before serve_average = 0.75)

@@ -315,6 +315,23 @@ def test_a_site_tells_its_devices_left_out_when_the_centre_retries_the_round(dig
     assert "abandoned attempt 1" in worker.transport.receipts["north-0"][-1].detail
 
 
+def test_a_device_revoked_at_a_site_leaves_its_running_round_at_once(digits):
+    """Its status cleared (`devices revoke` and `rotate` clear it), the site's round stops waiting for
+    it: with every other selected device answered, the partial goes up then, not at the deadline."""
+    settings = RoundSettings(algorithm="fedavg", codec="float32", aggregator="mean", round_timeout=60)
+    keys = {d: signing.new_key() for d in ("north-0", "north-1")}
+    worker = SiteWorker(FED, "north", ARCH, signing.new_key(), keys)
+    worker.transport = ReceiptsToo()  # type: ignore[assignment]
+    task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
+    site_task = SiteTask(1, 1, 2, messages.encode("task", task), site_rules(settings))
+    worker._on_cohort(msgpack.packb({"site_task": encode_site_task(site_task), "devices": sorted(keys)},
+                                    use_bin_type=True))
+    worker.seen = {"north-0"}  # north-0 answered; north-1 is revoked before it does
+    assert (1, 1) not in worker.sent
+    worker._handle(topics.status(FED, "north-1"), b"", time.time(), True)
+    assert worker.current.cohort == {"north-0"} and (1, 1) in worker.sent
+
+
 @pytest.mark.parametrize("policy", ["stability", "random"])
 def test_a_site_selects_its_cohort_with_the_rounds_selection_policy(policy):
     """The site task carries the round's `selection`; the site's leader draws its cohort with it from

@@ -240,6 +240,8 @@ class SiteWorker:
         _, device, kind = parsed
         if kind == "status":
             self.presence.on_status(device, payload)
+            if not payload:  # cleared: revoked, or its key rotated; an answer it sent now would be refused
+                self._leaves(device)
         elif kind == "receipt":
             self._on_receipt(device, payload)
         elif kind == "update" and payload and not retained:
@@ -359,6 +361,16 @@ class SiteWorker:
             self.seen.add(device)
             if self.seen >= rnd.cohort:
                 self._send_partial(rnd, "every selected device of the site answered")
+
+    def _leaves(self, device: str) -> None:
+        """A device that can no longer answer leaves the site's open round at once."""
+        rnd = self.current
+        if rnd is None or (rnd.number, rnd.attempt) in self.sent or device not in rnd.cohort or device in self.seen:
+            return
+        rnd.cohort.discard(device)
+        log.info("round %d: %s left the site's round (its status was cleared: revoked or rotated)", rnd.number, device)
+        if rnd.cohort and self.seen >= rnd.cohort:
+            self._send_partial(rnd, "every remaining selected device of the site answered")
 
     # up the bridge ------------------------------------------------------------------------
     def partial(self, rnd: Round) -> Partial:

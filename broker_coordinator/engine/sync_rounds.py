@@ -116,11 +116,14 @@ class SyncRounds:
     def attempt(self, engine: Engine, round_no: int, attempt: int) -> Round:
         s, topology = engine.settings, engine.topology
         engine.settle_presence()
-        deadline = time.time() + s.round_timeout
-        # wait (within this attempt's deadline) until a quorum of devices is eligible
-        while (topology.presence.eligible_devices() < s.min_updates and time.time() < deadline
+        # wait (up to round_timeout) until a quorum of devices is eligible; the round's own deadline starts
+        # when it opens: opened on what was left of the wait, a fresh federation whose devices came online
+        # late in it gave them seconds to train, and its first release seconds to be published
+        waited = time.time() + s.round_timeout
+        while (topology.presence.eligible_devices() < s.min_updates and time.time() < waited
                and not engine.stopping.is_set()):
-            engine.drain(min(0.5, deadline - time.time()))
+            engine.drain(min(0.5, waited - time.time()))
+        deadline = time.time() + s.round_timeout
         rnd, offered = topology.open(engine, round_no, attempt, deadline)
         rnd.train = not s.evaluation_only(round_no)
         if engine.on_state:
