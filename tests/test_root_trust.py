@@ -56,6 +56,15 @@ def test_an_update_weighs_its_cosine_with_the_root_update_and_one_pointing_away_
     assert "root update" in report.discounted["far"][1]
 
 
+def test_a_round_whose_every_update_points_away_from_the_root_update_leaves_the_model_where_it_is():
+    direction = np.ones(8, np.float32)
+    rnd = RobustRound({"w": (8,)}, NormBound(multiplier=0), "centered_clip", trust=lambda names: direction)
+    for i in range(3):
+        rnd.add(f"x{i}", {"w": -direction}, 1.0)
+    np.testing.assert_array_equal(rnd.result()["w"], np.zeros(8, np.float32))
+    assert set(rnd.report().gated) == {"x0", "x1", "x2"}
+
+
 @pytest.mark.parametrize("changes, refused", [
     ({"aggregator": "median"}, "root_trust + aggregator"),
     ({"privacy": PrivacySettings(mode="central", noise_multiplier=1.0, clip=1.0)}, "privacy central + root_trust"),

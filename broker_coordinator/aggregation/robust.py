@@ -318,7 +318,10 @@ class RobustRound:
         if self.count == 0:
             raise ValueError("no updates were folded in")
         if self.streaming:
-            aggregate = self.streamed().mean()
+            stream = self.streamed()
+            if stream.count == 0:  # every update was left out (root_trust): the model stays where it is
+                return {n: np.zeros(shape, np.float32) for n, shape in self.specs.items()}
+            aggregate = stream.mean()
             if self.votes is not None:
                 aggregate, self.unvoted = self.votes.mask(aggregate)
             return aggregate
