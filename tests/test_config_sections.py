@@ -33,7 +33,7 @@ EVERY_KEY = {
                   "lr_decay": 0.99, "momentum": 0.5, "weight_decay": 0.0, "grad_clip": 5.0},
     "fold": {"aggregator": "centered_clip", "weighting": "uniform", "weight_cap": 3.0, "norm_bound": 2.0,
              "max_update_norm": 100.0, "normalize_steps": True, "trim": 0.1, "reference": "median",
-             "sign_quorum": 0.1, "kinship": 0.4, "agreement_floor": 0.05, "verdict_banks": 8},
+             "sign_quorum": 0.1, "kinship": 0.4, "agreement_floor": 0.05, "verdict_banks": 8, "root_trust": True},
     "server_optimizer": {"server_optimizer": "adam", "server_lr": 0.02, "server_lr_decay": 0.99,
                          "server_momentum": 0.8, "beta1": 0.8, "beta2": 0.9, "tau": 0.01},
     "transfer": {"codec": "float32", "model_codec": "float32", "model_chunk_bytes": 65536, "downlink": "delta",

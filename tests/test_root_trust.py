@@ -133,3 +133,28 @@ def test_a_site_scores_its_devices_against_the_root_update_its_task_carries(digi
         rnd = worker.open(bare, task, set(keys))
     assert rnd.aggregate.trust is None
     assert "root_trust is on but the site task's root update is missing" in caplog.text
+
+
+def test_a_coordinator_with_root_data_weighs_real_agents_updates_by_the_root_update(tmp_path):
+    """End to end: Mosquitto with auth and ACLs, `broker-coordinator run` from a config that names
+    root_data and root_trust, three real agents: every verdict says what the root update made of it."""
+    import sqlite3
+
+    from .test_tasks_e2e import start_federation, stop_federation, synthetic, trained_rounds
+
+    fed = start_federation(tmp_path)
+    try:
+        x, y = synthetic(150, seed=99)  # the operator's trusted set: drawn like the devices' data
+        np.savez(fed.server.root / "root.npz", x=x, y=y)
+        text = fed.config.read_text().replace("[federation]", f'[federation]\nroot_data = "{fed.server.root / "root.npz"}"', 1)
+        text = (text.replace("[fold]", "[fold]\nroot_trust = true", 1) if "[fold]" in text
+                else text + "\n[fold]\nroot_trust = true\n")
+        fed.config.write_text(text)
+        fed.run(2)
+        assert len(trained_rounds(fed.state)) == 2
+        db = sqlite3.connect(fed.state / "coordinator.db")
+        details = [d for (d,) in db.execute("SELECT verdict_detail FROM device_rounds WHERE accepted = 1")]
+        db.close()
+        assert details and all("root update" in (d or "") for d in details), details
+    finally:
+        stop_federation(fed)
