@@ -7,12 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from broker_coordinator.aggregation.robust import (
-    OUTLIER_SHARE,
-    RobustRound,
-    geometric_median,
-    trimmed_mean,
-)
+from broker_coordinator.aggregation.held_folds import geometric_median, trimmed_mean
+from broker_coordinator.aggregation.robust import OUTLIER_SHARE, RobustRound
 from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
 
 SPECS = {"w": (4,)}
