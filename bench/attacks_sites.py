@@ -16,11 +16,11 @@ import numpy as np
 
 from broker_coordinator.engine.rounds import RoundFailed
 from broker_coordinator.engine.site_aggregator import SiteWorker, site_rules
-from broker_coordinator.engine.tree import SiteSpec, quotas
+from broker_coordinator.engine.tree import SiteSpec, quotas, site_tensors
 from broker_coordinator.engine.loop import Engine
 from broker_coordinator.simulation.in_memory import fold_partials
 from edgefl_protocol import codec, messages, signing, topics
-from edgefl_protocol.site_partials import SiteTask, encode_center, encode_partial
+from edgefl_protocol.site_partials import SiteTask, encode_partial
 
 from .inmemory import FED, InMemoryFederation
 
@@ -49,11 +49,11 @@ class InSites:
         task = messages.Task(round_no, tree.version, time.time() + 600, s.algorithm, hp, tree.server_rule.broadcast(),
                              tree.settings.codec, 1, tree.objective.task, tree.objective.loss, evaluate=False,
                              train=True)  # the tree's codec: "auto" resolved for the model
-        center = tree.center if s.aggregator == "centered_clip" else None
+        tensors = site_tensors(tree, round_no)  # the centre and the root update, as the tree codes them
         payloads = []
         for site, cohort in cohorts.items():
             site_task = SiteTask(round_no, 1, len(cohort), messages.encode("task", task), site_rules(s),
-                                 *encode_center(center), *encode_center(tree.root_step(round_no) if s.root_trust else None))
+                                 *tensors)
             worker = self.workers[site]
             rnd = worker.current = worker.open(site_task, task, set(cohort))
             for device in cohort:  # through the worker's in-memory transport, as its broker would hand them over

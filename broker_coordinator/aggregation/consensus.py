@@ -138,11 +138,8 @@ def noise(dimension: int) -> float:
 def disagreeing(sketches: Mapping[str, np.ndarray], floor: float = DEFAULT_AGREEMENT_FLOOR,
                 dimension: int = SKETCH_DIM) -> dict[str, float]:
     """device -> its median cosine, for the updates of a round that point away from its majority: below
-    -floor and below the round's median less MAD_MULTIPLIER x its MAD. Only a round that has a majority
-    is judged: its median cosine above the noise of unrelated updates (`noise`). Where devices' data
-    share too little for that (FedProx's Synthetic(1,1): a round's median cosine within +-0.04 of 0, the
-    noise of its 610 coordinates), which way an update points says nothing, and judging it flagged
-    9-12% of honest updates in bench/attacks.py (and as few attackers' as honest ones)."""
+    -floor and below the round's median less MAD_MULTIPLIER x its MAD; only in a round that has a
+    majority (its median cosine above `noise`: the module's docstring says why)."""
     return _judged(sketches, floor, dimension) or {}
 
 

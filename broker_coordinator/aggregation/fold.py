@@ -43,6 +43,7 @@ class FoldReport:
     delay: float = 0.0  # buffered: the mean staleness of the step's updates
     released: dict[str, float] = field(default_factory=dict)  # central DP: what was released beside the step
     private: bool = False  # central DP: which device was clipped is not released
+    floored: set[str] = field(default_factory=set)  # devices whose standing is at its floor (not root_trust's)
     gated_by: str = MEDIAN  # the direction the left-out updates pointed away from
 
 

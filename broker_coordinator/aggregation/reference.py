@@ -31,9 +31,9 @@ from edgefl_protocol.sparse_delta import SparseDelta
 log = logging.getLogger(__name__)
 
 
-def root_direction(arch: str, weights: Mapping[str, np.ndarray], root: Dataset, names: list[str],
-                   lr: float, epochs: int = 2, batch_size: int = 32, seed: int = 0) -> np.ndarray:
-    """The flattened delta (in the order of `names`) of `epochs` of plain SGD on `root`."""
+def root_step(arch: str, weights: Mapping[str, np.ndarray], root: Dataset, lr: float, epochs: int = 2,
+              batch_size: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    """The delta of `epochs` of plain SGD on `root` from `weights`."""
     model = build_model(arch)
     set_weights(model, dict(weights))
     model.train()
@@ -52,7 +52,7 @@ def root_direction(arch: str, weights: Mapping[str, np.ndarray], root: Dataset, 
                     if p.grad is not None:
                         p -= lr * p.grad
     after = get_weights(model)
-    return np.concatenate([(after[n] - weights[n]).ravel() for n in names]).astype(np.float32)
+    return {n: (after[n] - weights[n]).astype(np.float32) for n in weights}
 
 
 class RootUpdates:
@@ -64,14 +64,7 @@ class RootUpdates:
 
     def of(self, version: int, weights: Mapping[str, np.ndarray], lr: float, seed: int) -> dict[str, np.ndarray]:
         if self._last is None or self._last[0] != version:
-            names = list(weights)
-            flat = root_direction(self.arch, weights, self.root, names, lr, seed=seed)
-            tensors, start = {}, 0
-            for name in names:
-                size = int(np.asarray(weights[name]).size)
-                tensors[name] = flat[start:start + size].reshape(np.shape(weights[name]))
-                start += size
-            self._last = (version, tensors)
+            self._last = (version, root_step(self.arch, weights, self.root, lr, seed=seed))
         return self._last[1]
 
 

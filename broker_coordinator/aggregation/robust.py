@@ -159,8 +159,10 @@ class RobustRound:
         self.gated: dict[str, float] = {}  # device -> cosine with the round's median, for every dropped delta
         # device -> (the share of its weight its standing kept, why): flags of earlier rounds
         self.discounted: dict[str, tuple[float, str]] = {}
+        self.floored: set[str] = set()  # devices whose standing from earlier rounds is at MIN_STANDING
         self.trust = trust
         self._root: np.ndarray | None = None  # trust's update, flattened in the order of specs (computed once)
+        self._root_norm = 0.0
         self.gated_by = MEDIAN  # what a left-out update's cosine was taken with
         self.count = 0
         # centered_clip with no centre yet (the first round): hold the first updates for one (see _flush_held)
@@ -179,7 +181,8 @@ class RobustRound:
     def report(self) -> FoldReport:
         return FoldReport(self.count, dict(self.clipped), dict(self.centered), dict(self.gated),
                           dict(self.discounted), dict(self.disagreeing or {}), dict(self.held_back),
-                          judged_kin=self.consensus is not None, unvoted=self.unvoted, gated_by=self.gated_by)
+                          judged_kin=self.consensus is not None, unvoted=self.unvoted, gated_by=self.gated_by,
+                          floored=set(self.floored))
 
     def add(self, device: str, delta: Mapping[str, np.ndarray], weight: float, steps: int = 1,
             norm: float | None = None) -> None:
@@ -218,7 +221,10 @@ class RobustRound:
         # from earlier rounds (the fold keeps its order), and the root update's word on this one
         radius = self.radius.standing.get(device, 1.0) if self.center is not None else 1.0
         length = self.bound.standing.get(device, 1.0) if self.consensus is not None else 1.0
-        standing = max(radius * agreement * length, MIN_STANDING) * trusted
+        kept = max(radius * agreement * length, MIN_STANDING)
+        if kept <= MIN_STANDING:
+            self.floored.add(device)
+        standing = kept * trusted
         if standing < 1:
             self.discounted[device] = (standing, "; ".join(
                 why for why, low in ((AWAY, agreement < 1), (OUTSIDE, radius < 1), (LONG, length < 1),

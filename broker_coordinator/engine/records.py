@@ -13,7 +13,6 @@ from typing import Any
 
 from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.fold import MEDIAN, FoldReport
-from broker_coordinator.aggregation.trust import MIN_STANDING
 from broker_coordinator.engine.private_rounds import PrivateRounds
 from broker_coordinator.engine.verdicts import Verdicts
 from broker_coordinator.reporting.metrics import Metrics
@@ -40,10 +39,9 @@ class RoundRecords:
         self._said_unscored = False  # warned that devices asked to evaluate reported no score (once a process)
         self.excluded: set[str] = set()  # devices whose standing is at the floor, each said once at WARNING
 
-    def say_excluded(self, round_no: int, device: str, share: float, why: str) -> None:
+    def say_excluded(self, round_no: int, device: str, share: float, why: str, at_floor: bool) -> None:
         """A down-weighted update is routine (its verdict and the record say it); a device whose standing
         is at the floor is all but excluded, which the operator hears once, at WARNING."""
-        at_floor = share <= MIN_STANDING + 1e-9 and "root update" not in why  # root_trust weighs every update
         if not at_floor:
             self.excluded.discard(device)
         elif device not in self.excluded:
@@ -122,7 +120,7 @@ class RoundRecords:
         for device, (share, why) in report.discounted.items():  # below full weight for earlier rounds' flags
             self.metrics.bounded.labels("reduced_weight").inc()
             rnd.device_metrics.setdefault(device, {})["weight_share"] = f"{share:.2f} ({why})"
-            self.say_excluded(rnd.number, device, share, why)
+            self.say_excluded(rnd.number, device, share, why, device in report.floored)
         if report.discounted:
             clipped["reduced_weight"] = len(report.discounted)
         for device, cosine in report.gated.items():  # the root update leaves out honest skewed data routinely

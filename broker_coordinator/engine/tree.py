@@ -86,6 +86,14 @@ def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
     return {site: n for site, n in share.items() if n > 0}
 
 
+
+def site_tensors(engine: Engine, round_no: int) -> tuple[list, bytes, list, bytes]:
+    """What a site task carries beside its rules, coded: centered_clip's centre and root_trust's root
+    update (each empty when the fold has none)."""
+    s = engine.settings
+    return (*encode_center(engine.center if s.aggregator == "centered_clip" else None),
+            *encode_center(engine.root_step(round_no) if s.root_trust else None))
+
 class Sites:
     def __init__(self, sites: Mapping[str, SiteSpec], max_update_bytes: int) -> None:
         if not sites:
@@ -167,13 +175,11 @@ class Sites:
     def send_tasks(self, engine: Engine, rnd: Round, task: messages.Task, deadline: float) -> list[str]:
         s = engine.settings
         rules = {**site_rules(s), **(engine.privacy.site_privacy().rules() if engine.privacy else {})}
-        center_specs, center = encode_center(engine.center if s.aggregator == "centered_clip" else None)
-        trust_specs, trust = encode_center(engine.root_step(rnd.number) if s.root_trust else None)
+        tensors = site_tensors(engine, rnd.number)
         payload = messages.encode("task", task)
         unsent = engine.transport.publish_all(
             [(site_topic(engine.fed, site, "task"),
-              encode_site_task(SiteTask(rnd.number, rnd.attempt, k, payload, rules, center_specs, center,
-                                        trust_specs, trust)))
+              encode_site_task(SiteTask(rnd.number, rnd.attempt, k, payload, rules, *tensors)))
              for site, k in sorted(rnd.shares.items())],
             min(deadline, time.time() + 60))
         for topic in unsent:
@@ -272,8 +278,7 @@ class Sites:
         share = quotas(s.clients_per_round, online) if s.clients_per_round else {site: 0 for site in idle}
         deadline = time.time() + s.round_timeout
         engine.publish_model(deadline)
-        center_specs, center = encode_center(engine.center if s.aggregator == "centered_clip" else None)
-        trust_specs, trust = encode_center(engine.root_step(buffer.number) if s.root_trust else None)
+        tensors = site_tensors(engine, buffer.number)
         payloads = []
         for site, k in sorted(share.items()):
             attempt = schedule.ticket(engine, site, buffer, deadline)
@@ -282,8 +287,7 @@ class Sites:
                                evaluate=engine.evaluate_devices)
             payloads.append((site_topic(engine.fed, site, "task"),
                              encode_site_task(SiteTask(buffer.number, attempt, k, messages.encode("task", task),
-                                                       site_rules(s), center_specs, center,
-                                                       trust_specs, trust))))
+                                                       site_rules(s), *tensors))))
         for topic in engine.transport.publish_all(payloads, min(deadline, time.time() + 60)):
             log.error("version %d: the task for site %s could not be published", buffer.number,
                       topic.split("/")[3])
