@@ -6,10 +6,11 @@
    watched: a release's time is its `published_at`, a device's the mtime of the `current` link it made
    (the link is created by the publish, so its mtime is that moment). `release_to_current_s` is, per
    release, the time until every device serves it or a newer version (a device whose gate kept its
-   current version is counted apart). Bytes: a serving release is the served average in the training
-   model's codec (manifest plus chunks, re-encoded here from the run's checkpoint as the coordinator
-   encodes it); per device and day at the paced defaults' rounds per day (bench/results/pacing.json)
-   and this run's releases per round.
+   current version is counted apart). Bytes: what the devices counted they received for serving
+   (manifests, chunks, deltas; their state files), less the one full release each fetched to join,
+   per release; per device and day at the paced defaults' rounds per day (bench/results/pacing.json)
+   and this run's releases per round. The full release's size is re-encoded from the run's
+   checkpoint as the coordinator encodes it.
 2. latency and swaps on one emulated Pi 4 (bench/serving_device.py).
 3. local accuracy and the gate on the headline partition, 3 seeds (bench/serving_local.py).
 
@@ -119,14 +120,33 @@ def fleet(rounds: int = FLEET_ROUNDS, seed: int = 1) -> dict:
     refused = sum(1 for text in logs.values() for line in text.splitlines()
                   if "serving release" in line and " refused: " in line)
     release_bytes = serving_release_bytes(out / "run" / "coordinator")
+    downlink = serving_downlink(out / "run" / "devices", release_bytes)
     trained = [r for r in history["rounds"] if r.get("closed") in ("complete", "deadline")]
     down = sum(r.get("bytes_down") or 0 for r in trained[1:])  # reported with the next round's updates
     return {"command": " ".join(argv[1:]), "rounds": len(trained), "devices": len(devices),
             "releases": len(watcher.releases), "release_rows": rows, "unfinished_releases": unfinished,
-            "gate_kept": kept, "releases_refused": refused, "release_bytes": release_bytes,
+            "gate_kept": kept, "releases_refused": refused, "release_bytes": release_bytes, "downlink": downlink,
             "training_bytes_down_per_device_round": round(down / len(devices) / max(len(trained) - 1, 1)),
             "final_accuracy": trained[-1].get("accuracy") if trained else None,
             "seconds": round(time.time() - started, 1)}
+
+
+def serving_downlink(devices_dir: Path, release_bytes: int) -> dict:
+    """What the devices received for serving, from their own counts (state.msgpack, `serving_downlink`):
+    bytes by message kind and releases fetched in full or by delta. `steady_bytes_per_release` leaves
+    out the one full release each device fetches when it joins."""
+    import msgpack
+    counts = []
+    for state in sorted(devices_dir.glob("*/state/state.msgpack")):
+        data = msgpack.unpackb(state.read_bytes(), raw=False, strict_map_key=False)
+        counts.append(data.get("serving_downlink") or {"bytes": {}, "releases": {}})
+    total = {k: sum(c["bytes"].get(k, 0) for c in counts) for k in ("manifest", "full", "delta")}
+    releases = {k: sum(c["releases"].get(k, 0) for c in counts) for k in ("full", "delta")}
+    joined = sum(1 for c in counts if c["releases"])
+    after_first = sum(releases.values()) - joined
+    steady = sum(total.values()) - joined * release_bytes
+    return {"devices": len(counts), "bytes": total, "releases": releases,
+            "steady_bytes_per_release": round(steady / after_first) if after_first > 0 else None}
 
 
 def serving_release_bytes(state_dir: Path) -> int:
@@ -160,6 +180,7 @@ def summary(sections: dict) -> dict:
     local = [sections[f"local-{s}"] for s in SEEDS]
     paced = json.loads((RESULTS / "pacing.json").read_text())["paced"]
     per_round = f["releases"] / max(f["rounds"], 1)
+    steady = f["downlink"]["steady_bytes_per_release"]  # each device's first, full, release left out
     all_devices = [r["all_devices_s"] for r in f["release_rows"]]
     return {
         "measured_with": provenance.measured_with(provenance.invoked(), {
@@ -177,11 +198,16 @@ def summary(sections: dict) -> dict:
             "max_all_devices": round(max(all_devices), 2),
             "median_device": round(statistics.median(r["median_device_s"] for r in f["release_rows"]), 2),
             "unfinished_at_end": f["unfinished_releases"]},
-        "serving_bytes_per_device_day": round(f["release_bytes"] * per_round * paced["rounds"]),
-        "serving_bytes_detail": {"release_bytes": f["release_bytes"], "releases_per_round": round(per_round, 3),
+        "serving_bytes_per_device_day": round(steady * per_round * paced["rounds"]),
+        "serving_bytes_detail": {"release_bytes": f["release_bytes"], "steady_bytes_per_release": steady,
+                                 "fetched": f["downlink"]["releases"], "received": f["downlink"]["bytes"],
+                                 "releases_per_round": round(per_round, 3),
                                  "paced_rounds_per_day": paced["rounds"],
                                  "training_bytes_down_per_device_day": f["training_bytes_down_per_device_round"]
                                  * paced["rounds"]},
+        "release_vs_served_average": {  # central accuracy points: what the deltas encode minus what devices hold
+            "max": max((r["release_gap"]["max"] for r in local), key=abs),
+            "mean": round(sum(r["release_gap"]["mean"] for r in local) / len(local), 4)},
         "latency_ms": {"training": lat["training"], "idle": lat["idle"],
                        "trainer_cpu_cores": lat["trainer_cpu_share"]},
         "swaps": {"count": sw["count"], "torn_reads": sw["torn_reads"], "partial_reads": sw["partial_reads"],
@@ -209,8 +235,14 @@ def markdown(result: dict) -> str:
              f"{r['median_all_devices']:.2f} s / {r['max_all_devices']:.2f} s |",
              f"| release to current, median device | {r['median_device']:.2f} s |",
              f"| serving bytes per device per day (paced defaults) | {result['serving_bytes_per_device_day']:,} "
-             f"({b['release_bytes']:,} B a release, {b['releases_per_round']:.2f} releases a round, "
+             f"({b['steady_bytes_per_release']:,} B a release after a device's first, full, one of "
+             f"{b['release_bytes']:,} B; {b['releases_per_round']:.2f} releases a round, "
              f"{b['paced_rounds_per_day']} rounds a day; training downlink {b['training_bytes_down_per_device_day']:,}) |",
+             f"| serving releases fetched by delta / in full (all devices) | {b['fetched'].get('delta', 0)} / "
+             f"{b['fetched'].get('full', 0)} |",
+             f"| the release devices hold vs the served average it encodes, central accuracy (largest / mean "
+             f"gap over the headline runs' releases) | {100 * result['release_vs_served_average']['max']:+.2f} / "
+             f"{100 * result['release_vs_served_average']['mean']:+.3f} points |",
              f"| prediction latency, idle (p50 / p99) | {lat['idle']['p50']:.2f} / {lat['idle']['p99']:.2f} ms |",
              f"| prediction latency, while training (p50 / p99) | {lat['training']['p50']:.2f} / "
              f"{lat['training']['p99']:.2f} ms |",

@@ -5,7 +5,9 @@ shipped engine in memory (bench/inmemory.py) with the shipped defaults and `[ser
 has it. Each device holds out a fifth of its samples as the agent does (`[data] holdout = 0.2`, the
 same hash of the row), trains on the rest, and after every round fetches the coordinator's serving
 release from the transport's retained messages (manifest, chunks, sha256), as an agent fetches it from
-the broker. It offers the release to its own serving store through the agent's gate
+the broker (with the default `[serving] downlink = "delta"`, the full model retained is the release
+as the deltas reconstruct it; `release_gap` compares it with the served average it encodes, on the
+test set). It offers the release to its own serving store through the agent's gate
 (`edge_agent.serving_gate.ServingGate`, personalized serving on) and records the decision.
 
 At the end, on each device's held-out data: the global served model (the last release), its
@@ -72,6 +74,7 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
     data = dict(zip(sim.devices, local))
     decisions = {"published": 0, "published_personalized": 0, "kept": 0}
     worse, releases, started = 0, 0, time.time()
+    release_gaps: list[float] = []  # central accuracy: the served average minus the release devices hold
     model = build_model(fed.arch)
     for round_no in range(1, rounds + 1):
         sim.round(round_no)
@@ -80,6 +83,10 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
             continue
         releases += 1
         release, weights = fetched
+        set_weights(model, weights)  # the release as the deltas reconstruct it, against what it encodes
+        released_score = objective.evaluate(model, fed.test).score
+        set_weights(model, sim.coordinator.served.weights)
+        release_gaps.append(objective.evaluate(model, fed.test).score - released_score)
         for device in sim.devices:
             before = stored_score(gates[device], data[device].held_out, objective)
             set_weights(model, weights)
@@ -100,8 +107,9 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
         held_out, train = data[device].held_out, data[device].train
         _, meta, body = read_current(gates[device].store.root)
         candidates = {"global": model, "served": load_model(meta, body),
-                      "personalized": personalize(model, train, objective, PERSONALIZE, 0, 0.0),
-                      "tuned": personalize(model, train, objective, "tune", TUNE_STEPS, TUNE_LR, seed=release.version)}
+                      "personalized": personalize(model, train, objective, PERSONALIZE, 0, 0.0).model,
+                      "tuned": personalize(model, train, objective, "tune", TUNE_STEPS, TUNE_LR,
+                                           seed=release.version).model}
         for name, candidate in candidates.items():
             held[name].append(objective.evaluate(candidate, held_out).score)
             test[name].append(label_weighted(candidate, fed.test, train))
@@ -112,6 +120,8 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
             "per_device": {**held, "held_out": [len(data[d].held_out) for d in sim.devices]},
             "decisions": decisions, "served_worse_than_margin": worse,
             "central_accuracy": round(objective.evaluate(model, fed.test).score, 4),
+            "release_gap": {"max": round(max(release_gaps, key=abs), 4),
+                            "mean": round(sum(release_gaps) / len(release_gaps), 4)},
             "seconds": round(time.time() - started, 1)}
 
 

@@ -283,6 +283,7 @@ class Agent:
             return
         release, body = ready
         round_no, data, objective = self._judged_by
+        self.state.data["serving_downlink"] = self.serving_fetch.counts()  # bytes and releases, full or delta
         try:
             model = installed_model(release)
             set_weights(model, downlink.decode_weights(release, body, None, MAX_MODEL_VALUES))

@@ -93,7 +93,7 @@ class ModelFetch:
         if plan is None:
             client.subscribe(topics.model_chunks(self.fed, release.version), qos=1)
         else:
-            client.subscribe([(topics.model_delta(self.fed, v), 1) for v in range(plan[0], release.version + 1)])
+            client.subscribe([(topics.model_delta(self.fed, v), 1) for v in self.chains[release.version].versions])
 
     def count_down(self, payload: bytes) -> None:
         with self.models_changed:

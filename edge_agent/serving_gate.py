@@ -75,6 +75,7 @@ class ServingGate:
         self.offered.add(release.version)
         current = self.store.current_version()
         new_score = current_score = released_score = None
+        detail: dict = {}
         if len(held_out):
             new_score = objective.evaluate(model, held_out).score
             model.train()
@@ -83,11 +84,11 @@ class ServingGate:
             if mode != "off" and train is not None and len(train):  # a copy; the release itself stays as it came
                 own = personalize(model, train, objective, mode, self.settings.personalize_steps,
                                   self.settings.personalize_lr, seed=release.version)
-                own_score = None if own is None else objective.evaluate(own, held_out).score
+                own_score = None if own is None else objective.evaluate(own.model, held_out).score
                 if own is None:
                     self._cannot_personalize(mode)
                 elif own_score > new_score if objective.higher_is_better else own_score < new_score:
-                    model, released_score, new_score = own, new_score, own_score
+                    model, released_score, new_score, detail = own.model, new_score, own_score, own.detail
         elif not self._said_no_holdout:
             self._said_no_holdout = True
             log.info("serving: no held-out data ([data] holdout = 0): the gate has nothing to judge, every "
@@ -105,8 +106,7 @@ class ServingGate:
             "round": round_, "architecture": release.arch, "fingerprint": release.fingerprint,
             "release_sha256": release.sha256, "task": objective.task, "score": score,
             "personalized": None if released_score is None else {
-                "how": self.settings.personalize, "released_score": released_score,
-                **({"steps": self.settings.personalize_steps} if self.settings.personalize == "tune" else {})}},
+                "how": self.settings.personalize, "released_score": released_score, **detail}},
             onnx_of=(model.eval(), tuple(shape)))
         return Decision(release.version, True, current, objective.metric, new_score, current_score, released_score)
 

@@ -102,8 +102,9 @@ class Broadcast:
     """B (model tensors and the server rule's tensors) at `version`, and the retained deltas."""
 
     def __init__(self, tensors: Mapping[str, np.ndarray], version: int, codec_name: str = DEFAULT_CODEC,
-                 chain: int = DEFAULT_CHAIN) -> None:
+                 chain: int = DEFAULT_CHAIN, skips: bool = False) -> None:
         self.codec, self.chain = codec_name, chain
+        self.skips = skips  # a delta may lead to any newer version (serving releases), not only the next one
         self._reset(tensors, version)
 
     def _reset(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
@@ -115,12 +116,13 @@ class Broadcast:
 
     def advance(self, target: Mapping[str, np.ndarray], version: int) -> Tensors:
         """Move B to `version` towards `target` (G_version and the server rule's tensors); returns B.
-        Idempotent per version. A gap of more than one version, or other tensors, starts afresh
-        (B = target, no deltas: every device fetches the full model once)."""
+        Idempotent per version. A gap of more than one version (unless `skips`), an older version, or
+        other tensors start afresh (B = target, no deltas: every device fetches the full model once)."""
         if version == self.version:
             return self.tensors
         model = [n for n in target if not n.startswith(EXTRA_PREFIX)]
-        if version != self.version + 1 or [n for n in self.tensors if not n.startswith(EXTRA_PREFIX)] != model \
+        follows = version > self.version if self.skips else version == self.version + 1
+        if not follows or [n for n in self.tensors if not n.startswith(EXTRA_PREFIX)] != model \
                 or any(self.tensors[n].shape != np.shape(target[n]) for n in model):
             self._reset(target, version)
             return self.tensors
@@ -137,7 +139,7 @@ class Broadcast:
         delta.sha256 = tensors_sha256(tensors)
         self.deltas[version], self.bases[version] = messages.encode("delta", delta, OLDEST_SCHEMA), self.sha256
         self.tensors, self.version, self.sha256 = tensors, version, delta.sha256
-        for old in [v for v in self.deltas if v <= version - self.chain]:
+        for old in sorted(self.deltas)[:-self.chain]:
             del self.deltas[old], self.bases[old]
         return self.tensors
 
@@ -166,8 +168,8 @@ def plan(manifest: messages.ModelRelease, held: Mapping[str, bytes]) -> tuple[in
     body) to `manifest.version`; None if no retained chain starts at one (new, too far behind, or a
     model the server never broadcast): fetch the full model."""
     versions = [entry[0] for entry in manifest.chain]
-    if versions != list(range(manifest.version - len(versions) + 1, manifest.version + 1)):
-        return None  # not a contiguous run of deltas ending at this version
+    if not versions or versions[-1] != manifest.version or versions != sorted(set(versions)):
+        return None  # not a run of deltas ending at this version
     prefixes = {sha[:PREFIX]: body for sha, body in held.items()}
     for version, base in reversed(manifest.chain):
         if base in prefixes:
@@ -184,8 +186,9 @@ class Chain:
         self.got: dict[int, messages.ModelDelta] = {}
 
     @property
-    def versions(self) -> range:
-        return range(self.first, self.manifest.version + 1)
+    def versions(self) -> list[int]:
+        """The deltas to apply, in order: the manifest's chain from `first` on."""
+        return [v for v in self.bases if v >= self.first]
 
     def add(self, delta: messages.ModelDelta) -> None:
         if delta.version not in self.versions:

@@ -3,6 +3,9 @@
     edgefl/<fed>/model/<version>      retained: the manifest of that global model version
     edgefl/<fed>/model/<version>/<i>  retained: its i-th raw chunk (fetched only by devices that need it)
     edgefl/<fed>/model/<version>/delta/<version-1>  retained: the downlink delta to it (downlink = "delta")
+    edgefl/<fed>/model/serving        retained: the manifest of the model devices serve ([serving])
+    edgefl/<fed>/model/serving/<version>/<i>    retained: its chunks
+    edgefl/<fed>/model/serving/delta/<version>  retained: the delta to it from the release before
     edgefl/<fed>/device/<id>/task     the device's work for a round
     edgefl/<fed>/device/<id>/update   the device's answer, or its refusal of the task (only it may write)
     edgefl/<fed>/device/<id>/receipt  the coordinator's verdict on each answer (the device resends until it has one)
@@ -76,6 +79,21 @@ def parse_serving_chunk_topic(topic: str) -> tuple[int, int] | None:
             or not all(p.isascii() and p.isdigit() for p in parts[4:])):
         return None
     return int(parts[4]), int(parts[5])
+
+
+def serving_delta(fed: str, version: int) -> str:
+    """Retained: the delta from the serving release before it to serving release `version` (a device
+    that holds that release fetches this instead of the chunks)."""
+    return f"{ROOT}/{fed}/model/serving/delta/{version}"
+
+
+def parse_serving_delta_topic(topic: str) -> int | None:
+    """`edgefl/<fed>/model/serving/delta/<version>` -> version; None for anything else."""
+    parts = topic.split("/")
+    if (len(parts) != 6 or parts[0] != ROOT or parts[2:5] != ["model", "serving", "delta"]
+            or not (parts[5].isascii() and parts[5].isdigit())):
+        return None
+    return int(parts[5])
 
 
 def model_delta(fed: str, version: int) -> str:

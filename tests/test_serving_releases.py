@@ -50,7 +50,7 @@ def retained_release(e: Engine) -> tuple[messages.ModelRelease, dict[str, np.nda
 
 
 def test_each_version_publishes_the_served_average_for_serving(tmp_path):
-    e = engine(tmp_path, only_better=False)
+    e = engine(tmp_path, only_better=False, downlink="full")  # in full: the average itself (deltas: test_serving_deltas)
     for round_no in (1, 2):
         fold_round(e, answers(e, 1.0, seed=round_no), round_no)
     manifest, weights = retained_release(e)
@@ -82,10 +82,11 @@ def test_serving_off_publishes_nothing(tmp_path):
 
 
 def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
-    """Real Mosquitto, two real agents: after two rounds each device's serving store holds the
-    coordinator's serving release (the served average of version 2), bit for bit; a corrupted release
-    (a chunk that fails the manifest's sha256) is refused and version 2 keeps serving; the round
-    record says what each device served."""
+    """Real Mosquitto, two real agents: release 1 arrives in full, release 2 as a delta from it, and
+    each device's serving store then holds the coordinator's serving release of version 2 (the served
+    average, as the deltas reconstruct it) bit for bit; a corrupted release (a chunk that fails the
+    manifest's sha256) is refused and version 2 keeps serving; the round record says what each device
+    served."""
     from broker_coordinator.access.broker import COORDINATOR_USER
     from broker_coordinator.simulation.private_broker import PrivateBroker
     from edge_agent.serving import read_current
@@ -104,6 +105,10 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
         try:
             e.wait_for_devices(2, 60)
             e.run_round(1)
+            give_up = time.monotonic() + 60
+            while not all("serving release 1 fetched in full" in fleet.logs[d].read_text() for d in ("dev-0", "dev-1")):
+                assert time.monotonic() < give_up, [fleet.logs[d].read_text()[-800:] for d in ("dev-0", "dev-1")]
+                e.idle(0.2)
             second = e.run_round(2)
             stores = [tmp_path / d / "state" / "serving" for d in ("dev-0", "dev-1")]
 
@@ -112,7 +117,6 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
                     return read_current(store)
                 except Exception:  # noqa: BLE001 - not there yet
                     return None
-            give_up = time.monotonic() + 60
             while not all((got := serving(s)) and got[1]["version"] == 2 for s in stores):
                 assert time.monotonic() < give_up, [serving(s) and serving(s)[1] for s in stores]
                 e.idle(0.2)  # the devices settle and fetch between tasks; the coordinator keeps its session
@@ -122,8 +126,9 @@ def test_a_real_agent_serves_the_release_the_coordinator_vouches_for(tmp_path):
             for store in stores:
                 _, meta, body = read_current(store)
                 held = torch.load(io.BytesIO(body), weights_only=True)
-                for name, served in e.served.weights.items():
-                    np.testing.assert_allclose(held[name].numpy(), served, rtol=1e-6)
+                for name, released in e.serving.stream.tensors.items():
+                    np.testing.assert_array_equal(held[name].numpy(), released)
+            assert all("serving release 2 fetched as 1 delta(s)" in fleet.logs[d].read_text() for d in ("dev-0", "dev-1"))
             # a corrupted serving release (one chunk's bytes changed) is refused: the devices keep version 2
             manifest, chunks = downlink.release(99, "digits_mlp", e.served.weights, e.settings.model_codec,
                                                 e.settings.model_chunk_bytes, e.releases.fingerprint)

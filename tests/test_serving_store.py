@@ -23,6 +23,7 @@ from broker_coordinator.settings.round_settings import RoundSettings
 from broker_coordinator.simulation.private_broker import PrivateBroker
 from broker_coordinator.storage.store import Store
 from edge_agent.config import ServingSettings, load_config
+from edge_agent.personalize import PRIOR_STRENGTHS, personalize
 from edge_agent.serving import ServedModel, read_current
 from edge_agent.serving_gate import ServingGate
 from edge_agent.serving_store import CURRENT, METADATA, WEIGHTS, ServingStore, StoreError
@@ -171,11 +172,41 @@ def test_personalized_serving_serves_its_own_copy_when_it_does_better_on_the_dev
     assert all(torch.equal(before[k], v) for k, v in released.state_dict().items())  # the release is untouched
     meta = gate.store.metadata(1)
     assert meta["personalized"] == {"how": how, "released_score": pytest.approx(decision.released_score),
-                                    **({"steps": 60} if how == "tune" else {})}
+                                    **({"steps": 60} if how == "tune" else {"strength": meta["personalized"]["strength"]})}
+    assert how == "tune" or meta["personalized"]["strength"] in PRIOR_STRENGTHS
     assert "personalized" in decision.text()
     plain = ServingGate(ServingSettings(dir=str(tmp_path / "plain")))
     as_released = plain.offer(release(1), 1, released, held_out, objective, train)
     assert as_released.released_score is None and plain.store.metadata(1)["personalized"] is None
+
+
+class ConstantLogits(torch.nn.Module):
+    """A classifier that says the same logits whatever it is shown, with a last bias per class."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(1, len(logits))
+        with torch.no_grad():
+            self.head.weight.zero_()
+            self.head.bias.copy_(torch.as_tensor(logits, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x[:, :1])
+
+
+def test_the_label_priors_strength_is_the_one_the_devices_own_data_fits_best():
+    """Bayes' rule (strength 1) for a model that knows nothing of this device's labels; none for one
+    that already predicts them at the device's frequencies; the release itself untouched."""
+    labels = np.array([0] * 60 + [1] * 30 + [2] * 10)
+    train = datasets.Dataset(np.zeros((100, 3), dtype=np.float32), labels)
+    objective = Objective.of("classification")
+    uniform = ConstantLogits(np.zeros(3))
+    own = personalize(uniform, train, objective, "prior", 0, 0.0)
+    assert own.detail == {"strength": 1.0}
+    assert torch.equal(uniform.head.bias, torch.zeros(3))
+    assert own.model(torch.zeros(1, 3)).argmax().item() == 0
+    frequencies = np.log((np.bincount(labels) + 0.5) / (len(labels) + 1.5))
+    assert personalize(ConstantLogits(frequencies), train, objective, "prior", 0, 0.0).detail == {"strength": 0.0}
 
 
 def test_served_model_reloads_after_a_swap(tmp_path):
