@@ -219,6 +219,10 @@ def summary(sections: dict) -> dict:
         "local_accuracy": {"global": [r["global"] for r in local], "personalized": [r["personalized"] for r in local],
                            "served": [r["served"] for r in local], "tuned": [r["tuned"] for r in local],
                            "seeds": list(SEEDS), "central_accuracy": [r["central_accuracy"] for r in local]},
+        "prior_strength": {  # fitted by each device on its training data, at the last release
+            "median": statistics.median(x for r in local for x in r["per_device"]["strength"]),
+            "range": [min(x for r in local for x in r["per_device"]["strength"]),
+                      max(x for r in local for x in r["per_device"]["strength"])]},
         "local_test_accuracy": {name: [r["test"][name] for r in local]
                                 for name in ("global", "personalized", "tuned", "served")},
     }
@@ -255,6 +259,9 @@ def markdown(result: dict) -> str:
              f"| device-local accuracy, personalized (the device's label prior) | {mean(la['personalized']):.2f}% "
              f"({mean(la['personalized']) - mean(la['global']):+.2f} points) |",
              f"| device-local accuracy, what the gate served | {mean(la['served']):.2f}% |",
+             f"| the label prior's strength, fitted by each device (median, range) | "
+             f"{result['prior_strength']['median']:g} ({result['prior_strength']['range'][0]:g}-"
+             f"{result['prior_strength']['range'][1]:g}) |",
              f"| device-local accuracy, tuned instead (60 SGD steps) | {mean(la['tuned']):.2f}% |", "",
              "Device-local accuracy is each device's held-out data, the samples its gate judged by; on data no "
              "device holds (the test set weighted by each device's label frequencies):", "",

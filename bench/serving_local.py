@@ -103,11 +103,13 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
     set_weights(model, weights)
     held: dict[str, list[float]] = {k: [] for k in ("global", "personalized", "tuned", "served")}
     test: dict[str, list[float]] = {k: [] for k in held}
+    strengths = []  # the label prior's strength each device fitted on its training data
     for device in sim.devices:
         held_out, train = data[device].held_out, data[device].train
         _, meta, body = read_current(gates[device].store.root)
-        candidates = {"global": model, "served": load_model(meta, body),
-                      "personalized": personalize(model, train, objective, PERSONALIZE, 0, 0.0).model,
+        own = personalize(model, train, objective, PERSONALIZE, 0, 0.0)
+        strengths.append(own.detail.get("strength"))
+        candidates = {"global": model, "served": load_model(meta, body), "personalized": own.model,
                       "tuned": personalize(model, train, objective, "tune", TUNE_STEPS, TUNE_LR,
                                            seed=release.version).model}
         for name, candidate in candidates.items():
@@ -117,7 +119,7 @@ def run(seed: int, rounds: int | None = None, progress=print) -> dict:  # noqa: 
     return {"seed": seed, "rounds": rounds, "releases": releases, "last_release": release.version,
             **{name: mean(values) for name, values in held.items()},
             "test": {name: mean(values) for name, values in test.items()},
-            "per_device": {**held, "held_out": [len(data[d].held_out) for d in sim.devices]},
+            "per_device": {**held, "held_out": [len(data[d].held_out) for d in sim.devices], "strength": strengths},
             "decisions": decisions, "served_worse_than_margin": worse,
             "central_accuracy": round(objective.evaluate(model, fed.test).score, 4),
             "release_gap": {"max": round(max(release_gaps, key=abs), 4),

@@ -30,8 +30,7 @@ from edgefl_models.objectives import Objective
 MODES = ("off", "prior", "tune")
 BATCH = 32
 SMOOTHING = 0.5  # add-half: a class the device has not seen yet keeps a finite prior
-# 0 = the release as it is; measured on the headline partition the fitted strength grows from about 1
-# early in training to 2-2.5 at round 40 (bench/results/serving.md)
+# 0 = the release as it is (the strengths the devices fitted at round 40: bench/results/serving.md)
 PRIOR_STRENGTHS = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 FIT_SAMPLES = 2048  # enough to fit one number; bounds the memory of one forward pass on a Pi
 
