@@ -252,9 +252,11 @@ def _honest_and_early(out: dict, folds: list[str]) -> list[str]:
     lines = ["## Honest devices in clean runs, and the first rounds under 20% attackers", "",
              "down-weighted: the share of honest updates folded below their full weight; least: the smallest "
              "weight an honest update kept (0 = left out). Early gap: clean minus attacked served accuracy, the "
-             "largest over rounds 2-5.", ""]
+             "largest over rounds 2-5; absent@0.2's (no attacker, a fifth of the devices gone) is what losing "
+             "their data and changing the cohorts costs by itself.", ""]
     head = out["runs"].get(HEADLINE, {})
-    early = [run for run in head if run.endswith("@0.2") and not run.startswith("absent")]
+    early = sorted((run for run in head if run.endswith("@0.2") and not run.startswith("sites/")),
+                   key=lambda run: not run.startswith("absent"))
     lines += ["| fold | " + " | ".join(f"{p[:9]} clean: down-weighted, least" for p in out["runs"])
               + " | " + " | ".join(f"early gap {run}" for run in early) + " |",
               "|---|" + "---:|" * (len(out["runs"]) + len(early))]
