@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from broker_coordinator.aggregation.consensus import Consensus
 from broker_coordinator.aggregation.held_folds import geometric_median, trimmed_mean
 from broker_coordinator.aggregation.robust import OUTLIER_SHARE, RobustRound
 from broker_coordinator.aggregation.trust import GROWTH, NormBound, SampleWeights
@@ -115,12 +116,23 @@ def test_a_history_of_zeros_neither_freezes_the_federation_nor_lets_the_bounded_
     assert bound.by_device["liar"] == pytest.approx(1.5 * GROWTH ** 2) and bound.bound() == pytest.approx(1.5)
 
 
-def test_centered_clip_counts_an_update_beyond_its_radius_as_the_centre():
+def agreed() -> Consensus:
+    """A consensus whose last judged round had a majority: the centre speaks for the round."""
+    consensus = Consensus()
+    consensus.majority = True
+    return consensus
+
+
+@pytest.mark.parametrize("majority", [True, False])
+def test_centered_clip_counts_an_update_beyond_its_radius_as_the_centre(majority):
+    """After a round whose updates agreed, an update beyond the radius counts as the centre; after one
+    without a majority (devices that share nothing), as clipped to the radius towards the centre."""
     center = {"w": np.full(4, 0.5, np.float32)}
     radius = NormBound(multiplier=1.5, warmup=3)
     for i in range(3):
         radius.record(0.2, f"h{i}")
-    rnd = RobustRound(SPECS, NormBound(multiplier=0), "centered_clip", center=center, radius=radius)
+    rnd = RobustRound(SPECS, NormBound(multiplier=0), "centered_clip", center=center, radius=radius,
+                      consensus=agreed() if majority else Consensus())
     honest = {"w": np.full(4, 0.55, np.float32)}  # distance 0.1 from the centre: kept as it is
     for i in range(4):
         rnd.add(f"d{i}", honest, 1.0)
@@ -129,8 +141,11 @@ def test_centered_clip_counts_an_update_beyond_its_radius_as_the_centre():
     # the radius: 1.5 x the median distance of earlier rounds, fixed for the round
     assert distance == pytest.approx(2.0) and tau == pytest.approx(1.5 * 0.2)
     share = OUTLIER_SHARE / (1 - OUTLIER_SHARE) * 4  # what is left of its weight 1: the clipped hold 5%
-    # it counts as the centre (0.5), with no pull of its own back along the step it reverses
-    assert np.allclose(rnd.result()["w"], (4 * 0.55 + share * 0.5) / (4 + share), atol=1e-6)
+    # it counts as the centre (0.5), with no pull of its own back along the step it reverses; or pulled
+    # back to the radius: c + tau * unit(delta - c), each of 4 coordinates tau / 2 below the centre
+    counted = 0.5 if majority else 0.5 - tau / 2
+    assert np.allclose(rnd.result()["w"], (4 * 0.55 + share * counted) / (4 + share), atol=1e-6)
+    assert rnd.pulled is not majority
     assert set(rnd.centered) == {"attacker"} and rnd.outlier_scale == pytest.approx(share)
 
 
@@ -319,7 +334,7 @@ def _round_with_one_attacker(n: int, attack: str, seed: int) -> float:
         h = honest_update()
         bound.record(float(np.linalg.norm(h)), f"old-{i}")
         radius.record(float(np.linalg.norm(h - step)), f"old-{i}")
-    rnd = RobustRound({"w": (size,)}, bound, "centered_clip", center={"w": step}, radius=radius)
+    rnd = RobustRound({"w": (size,)}, bound, "centered_clip", center={"w": step}, radius=radius, consensus=agreed())
     honest = [honest_update() for _ in range(n - 1)]
     for i, h in enumerate(honest):
         rnd.add(f"h{i}", {"w": h}, 1.0)

@@ -8,9 +8,9 @@ then combined by one of (`RoundSettings.aggregator`):
   `c` that every level of the federation knows before the round opens (the
   last applied aggregate step, see `Engine.center`): within a radius tau it
   counts as sent; beyond it, it counts as c itself, no pull of its own, and
-  the updates beyond share at most `OUTLIER_SHARE` of the round's weight (when
-  nothing came in within the radius, they count as c + clip(delta - c, tau)
-  with all of it). tau is `norm_bound` times the median of the devices' recent
+  the updates beyond share at most `OUTLIER_SHARE` of the round's weight (after
+  a round without a majority, see below, they count as c + clip(delta - c,
+  tau); when nothing came in within the radius, so, with all of the weight). tau is `norm_bound` times the median of the devices' recent
   distances from their round's centre (a second `NormBound`), fixed when the
   round opens, so the fold does not depend on the order of arrival. A device
   the radius keeps clipping loses standing: its weight is multiplied by its
@@ -149,7 +149,9 @@ class RobustRound:
         self.outliers = StreamingMean(specs, normalize_steps=normalize_steps)
         self.outlier_scale: float | None = None  # the factor their weights got (None: not settled yet)
         self._at_center = 0.0  # what the centre weighs as theirs: their weights (over their steps, FedNova)
-        self.pulled = False  # nothing came in within the radius: the outliers counted as clipped, not as c
+        # the centre speaks for a round whose updates agree: so the last judged round's did (a first round: its
+        # first updates, see _provisional_center); where they share nothing an outlier counts as pulled to the radius
+        self.pulled = not (self.consensus is not None and self.consensus.majority)
         self.held: list[Held] = []
         self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
         self.centered: dict[str, tuple[float, float]] = {}  # device -> (distance, radius) of every centre-clipped one
@@ -342,6 +344,7 @@ class RobustRound:
         cosines = [float(row @ (m := np.median(np.delete(flat, i, axis=0), axis=0)))
                    / max(float(np.linalg.norm(row) * np.linalg.norm(m)), 1e-12) for i, row in enumerate(flat)]
         self._majority = float(np.median(cosines)) > 2 * noise(flat.shape[1])
+        self.pulled = not self._majority
 
     def result(self) -> dict[str, np.ndarray]:
         """The round's aggregate delta (called once, when the round closes)."""
@@ -393,20 +396,20 @@ class RobustRound:
 
     def _settle_outliers(self) -> None:
         """Fold the updates outside the radius in as the centre itself, their weights scaled so that they
-        hold at most OUTLIER_SHARE of the round's; when nothing inside the radius came in (a radius
-        still growing back, say), as clipped towards the centre, with all of the round's weight."""
+        hold at most OUTLIER_SHARE of the round's; without a majority (`pulled`), as clipped towards
+        the centre; when nothing inside the radius came in (a radius still growing back, say), so, with
+        all of the round's weight."""
         if self.outliers.count == 0:
             return
         inside = self.stream.total_weight
         cap = OUTLIER_SHARE / (1 - OUTLIER_SHARE) * inside
         scale = 1.0 if inside == 0 else min(1.0, cap / self.outliers.total_weight)
         self.outlier_scale = scale
-        o = self.outliers
-        sums = o.sums if inside == 0 else {n: self.center[n] * self._at_center for n in o.sums}
+        o, self.pulled = self.outliers, self.pulled or inside == 0
+        sums = o.sums if self.pulled else {n: self.center[n] * self._at_center for n in o.sums}
         self.stream.merge({n: a * scale for n, a in sums.items()}, o.total_weight * scale, o.weighted_steps * scale,
                           o.count)
         self.outliers, self._at_center = StreamingMean(self.specs, normalize_steps=o.normalize_steps), 0.0
-        self.pulled = inside == 0
 
     def _gate(self, clipped: list[tuple[Held, Mapping[str, np.ndarray]]]) -> list[tuple[Held, Mapping[str, np.ndarray]]]:
         """Keep the deltas whose cosine with the round's coordinate-wise median is positive (at least

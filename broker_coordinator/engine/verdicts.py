@@ -15,7 +15,8 @@ never recomputed: what the receipt says is what the fold did.
 The scale of a clipped update. Norm clipping multiplies the delta d by s1 = bound / ||d||: the
 device commits s1 d exactly. An update outside centered clipping's radius (or, in a first round,
 pointing away from its centre) is folded as the centre c itself, which the device does not hold
-(in a round where nothing came in within the radius, as c + k (s1 d - c), k = tau / ||s1 d - c||).
+(after a round without a majority, or in one where nothing came in within the radius, as
+c + k (s1 d - c), k = tau / ||s1 d - c||).
 The receipt carries the effective scale, the projection of what was folded on what was sent,
     s = <c, d> / ||d||^2   (or k s1 + (1 - k) <c, d> / ||d||^2),
 clamped to [0, 1]: the multiple of its own delta closest (in L2) to its contribution, and never
