@@ -175,7 +175,6 @@ class Consensus:
         self.paths: dict[str, np.ndarray] = {}  # device -> the sum of its judged updates' departures (kinship)
         self.judged: dict[str, int] = {}  # device -> its judged updates (insertion order: least recent first)
         self.kin: dict[str, tuple[str, float]] = {}  # the last judged round's kin: device -> (closest, cosine)
-        self.majority = False  # the last round judged had one (its updates agree beyond chance)
         self._sketcher: tuple[tuple, Sketcher] | None = None  # built once per model shape
 
     def sketch(self, specs: Mapping[str, tuple[int, ...]], delta: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -194,7 +193,6 @@ class Consensus:
         every judged device's verdict."""
         self.kin = {}
         flagged = _judged(sketches, self.floor, self._sketcher[1].size if self._sketcher else SKETCH_DIM)
-        self.majority = flagged is not None
         if flagged is None:
             return {}  # no majority to speak of: nothing judged, nothing remembered
         if self.kinship > 0:
@@ -241,8 +239,7 @@ class Consensus:
     def state(self) -> dict[str, Any]:
         # paths in float16: a cosine needs no more, and a checkpoint keeps KIN_DIM x 2 bytes per device
         return {"flags": {d: list(f) for d, f in self.flags.items()},
-                "paths": {d: p.astype(np.float16) for d, p in self.paths.items()}, "judged": dict(self.judged),
-                "majority": self.majority}
+                "paths": {d: p.astype(np.float16) for d, p in self.paths.items()}, "judged": dict(self.judged)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.flags = {str(d): [int(bool(x)) for x in f][-WINDOW:] for d, f in (state.get("flags") or {}).items()}
@@ -250,4 +247,3 @@ class Consensus:
         self.paths = {str(d): np.asarray(p, dtype=np.float32).reshape(KIN_DIM)
                       for d, p in (state.get("paths") or {}).items() if d in judged}
         self.judged = {str(d): int(n) for d, n in judged.items() if str(d) in self.paths}
-        self.majority = bool(state.get("majority", False))  # a checkpoint of 0.2.0: as after a round without one

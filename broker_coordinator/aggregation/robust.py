@@ -7,10 +7,9 @@ then combined by one of (`RoundSettings.aggregator`):
   ICML 2021), redescending. Each delta is judged by its distance from a centre
   `c` that every level of the federation knows before the round opens (the
   last applied aggregate step, see `Engine.center`): within a radius tau it
-  counts as sent; beyond it, it counts as c itself, no pull of its own, and
-  the updates beyond share at most `OUTLIER_SHARE` of the round's weight (after
-  a round without a majority, see below, they count as c + clip(delta - c,
-  tau); when nothing came in within the radius, so, with all of the weight). tau is `norm_bound` times the median of the devices' recent
+  counts as sent; beyond it, as c + clip(delta - c, tau), and the updates
+  beyond share at most `OUTLIER_SHARE` of the round's weight (all of it when
+  nothing came in within the radius). tau is `norm_bound` times the median of the devices' recent
   distances from their round's centre (a second `NormBound`), fixed when the
   round opens, so the fold does not depend on the order of arrival. A device
   the radius keeps clipping loses standing: its weight is multiplied by its
@@ -27,7 +26,10 @@ then combined by one of (`RoundSettings.aggregator`):
   updates. Without a centre (the first round) it holds its first `warmup`
   updates and centres on their coordinate-wise median (`_provisional_center`),
   with a radius from their distances to it; if they agree with that median, an
-  update pointing away from it is beyond the radius too (`_away`). With fewer
+  update pointing away from it is beyond the radius too (`_away`), and the
+  updates beyond count as the centre itself, with no pull back along the step
+  (a pull of the radius cost 20% attackers' first rounds 7-10% of their step
+  in `bench/attacks.py`; later, the strikes take over). With fewer
   than PROVISIONAL_MIN updates in all, the clipped mean, weighed by standing.
 - `mean`: the weighted mean of the norm-bounded deltas, streamed.
 - `gated_mean`: the weighted mean of the deltas that point the same way as
@@ -83,10 +85,7 @@ LONG = "its updates were far longer than the norm bound before"
 # reached 2.4x at the 99th percentile in bench/attacks.py, sign flips 3-60x), costing bound / norm from the second
 LENGTH_STRIKE = 3.0
 PROVISIONAL_MIN = 3  # held updates for a first round's provisional centre: the median of fewer is their mean
-# centered_clip: the largest share of a round's weight the updates outside the radius hold. Each counts as
-# the centre itself: a pull of tau back along a reversed step cost the first rounds 7-10% of their step with
-# 20% attackers, and the centre is what the round's majority agrees on (bench/attacks.py, docs/RESEARCH.md)
-OUTLIER_SHARE = 0.05
+OUTLIER_SHARE = 0.05  # centered_clip: the largest share of a round's weight the updates outside the radius hold
 
 
 @dataclass
@@ -149,9 +148,9 @@ class RobustRound:
         self.outliers = StreamingMean(specs, normalize_steps=normalize_steps)
         self.outlier_scale: float | None = None  # the factor their weights got (None: not settled yet)
         self._at_center = 0.0  # what the centre weighs as theirs: their weights (over their steps, FedNova)
-        # the centre speaks for a round whose updates agree: so the last judged round's did (a first round: its
-        # first updates, see _provisional_center); where they share nothing an outlier counts as pulled to the radius
-        self.pulled = not (self.consensus is not None and self.consensus.majority)
+        # outside the radius: c + clip(delta - c, tau); counted as c itself in a first round whose first updates
+        # agree (_provisional_center), where a pull back along the step costs most
+        self.pulled = True
         self.held: list[Held] = []
         self.clipped: dict[str, tuple[float, float]] = {}  # device -> (norm, bound) of every clipped delta
         self.centered: dict[str, tuple[float, float]] = {}  # device -> (distance, radius) of every centre-clipped one
@@ -395,10 +394,9 @@ class RobustRound:
         return self.stream
 
     def _settle_outliers(self) -> None:
-        """Fold the updates outside the radius in as the centre itself, their weights scaled so that they
-        hold at most OUTLIER_SHARE of the round's; without a majority (`pulled`), as clipped towards
-        the centre; when nothing inside the radius came in (a radius still growing back, say), so, with
-        all of the round's weight."""
+        """Fold the updates outside the radius in, clipped towards the centre (`pulled`) or, in a first
+        round whose updates agree, as the centre itself, their weights scaled so that they hold at most
+        OUTLIER_SHARE of the round's (all of it, and clipped, when nothing inside the radius came in)."""
         if self.outliers.count == 0:
             return
         inside = self.stream.total_weight

@@ -15,7 +15,7 @@ SERVING_CHAIN releases fetches the few deltas since instead of the chunks. The r
 defined as what the deltas reconstruct (`delta_downlink.Broadcast`: the previous release plus the
 4-bit change, the remainder carried to the next one), so that every device holds the same bits and
 checks them against the manifest's sha256; the full model retained beside them is that release.
-Measured on the headline partition, the release stays within half a point of the served average it
+Measured on the headline partition, the release scores within 0.6 points of the served average it
 encodes (bench/results/serving.md). A restarted coordinator starts the chain afresh: every device
 fetches its next release in full.
 

@@ -86,7 +86,7 @@ def judge(aggregate: Any, device: str, ratio: float | None) -> Verdict:
         parts.append(f"norm {norm:.4g} -> {bound:.4g}")
     if device in aggregate.centered:  # folded as the centre itself (as clipped towards it when nothing was inside)
         distance, radius = aggregate.centered[device]
-        k = radius / distance if getattr(aggregate, "pulled", False) and distance > radius else 0.0
+        k = radius / distance if getattr(aggregate, "pulled", True) and distance > radius else 0.0
         scale = min(1.0, max(0.0, k * scale + (1 - k) * (ratio or 0.0)))
         parts.append((f"{distance:.4g} from the centre, outside its radius {radius:.4g}" if distance > radius
                       else "pointed away from the first updates' centre")
@@ -179,6 +179,7 @@ class _Fresh:
 
     def __init__(self, aggregate: Any, device: str, mark: tuple[Any, Any]) -> None:
         self.gated, self.discounted = aggregate.gated, aggregate.discounted
+        self.pulled = getattr(aggregate, "pulled", True)  # outliers clipped towards the centre, not counted as it
         self.clipped = {device: v} if (v := aggregate.clipped.get(device)) is not None and v is not mark[0] else {}
         self.centered = ({device: v} if (v := aggregate.centered.get(device)) is not None and v is not mark[1]
                          else {})
