@@ -83,9 +83,7 @@ def test_centered_clip_weighs_a_device_by_its_standing_from_the_next_round_on():
     wide = NormBound(multiplier=1000)  # a radius that clips nothing: the weights alone decide
     means = []
     for _ in range(2):
-        # a centre (not a first round's provisional one, whose direction check would act in the round)
-        rnd = RobustRound(specs, bound, "centered_clip", consensus=consensus, radius=wide,
-                          center={"w": np.zeros(SIZE, np.float32)})
+        rnd = RobustRound(specs, bound, "centered_clip", consensus=consensus, radius=wide)
         updates = _round(rng, honest=8, flipped=2)
         for device, delta in updates.items():
             rnd.add(device, {"w": delta.astype(np.float32)}, 1.0)

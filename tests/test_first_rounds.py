@@ -114,37 +114,3 @@ def test_a_device_whose_updates_are_far_longer_than_the_bound_again_loses_standi
     assert 10 / 1.5 > LENGTH_STRIKE
     assert shares["long"][:2] == [1.0, 1.0] and shares["long"][2] < 0.2 and shares["long"][3] == pytest.approx(0.05)
     assert shares["once"] == [1.0] * 4
-
-
-def _first_round_of(updates: list[tuple[str, np.ndarray]]) -> RobustRound:
-    rnd = RobustRound(SPECS, NormBound(multiplier=1.5), "centered_clip")
-    for device, delta in updates:
-        rnd.add(device, {"w": delta.astype(np.float32)}, 1.0)
-    return rnd
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_in_a_first_round_that_agrees_an_update_pointing_away_counts_as_the_centre_however_short(seed):
-    """Sign flips of an honest length sit inside the radius; when the first updates agree with their
-    median, one pointing away from it is beyond the radius all the same: counted as the centre, the
-    flipped share at most OUTLIER_SHARE of the round, and it cannot turn the step back."""
-    rng = np.random.default_rng(seed)
-    task = rng.standard_normal(SIZE)
-    honest = [task + rng.standard_normal(SIZE) for _ in range(8)]
-    flipped = [-(task + rng.standard_normal(SIZE)) for _ in range(2)]
-    rnd = _first_round_of([("h0", honest[0]), ("x0", flipped[0]), ("h1", honest[1]), ("h2", honest[2]),
-                           ("h3", honest[3]), ("x1", flipped[1])] + [(f"h{i}", honest[i]) for i in range(4, 8)])
-    assert set(rnd.centered) == {"x0", "x1"}
-    aggregate, honest_mean = rnd.result()["w"], np.mean(honest, axis=0)
-    center = rnd.center["w"]
-    # the flipped moved the aggregate only towards the centre, by their capped share of the way
-    assert np.linalg.norm(aggregate - honest_mean) <= OUTLIER_SHARE * np.linalg.norm(center - honest_mean) + 1e-5
-
-
-def test_in_a_first_round_without_a_majority_no_update_is_judged_by_its_direction():
-    """Updates that share nothing (FedProx's Synthetic: each device its own model) give a median no
-    update agrees with more than chance: direction says nothing there, and none is counted as the
-    centre for it."""
-    rng = np.random.default_rng(0)
-    rnd = _first_round_of([(f"d{i}", rng.standard_normal(SIZE)) for i in range(10)])
-    assert rnd.provisional and not rnd.centered

@@ -24,10 +24,10 @@ def _round(rng, flipped: int, honest: int = 9) -> dict[str, dict[str, np.ndarray
 
 
 def _fold(updates: dict, banks: int, key: bytes = b"k" * 16) -> tuple[RobustRound, dict[str, np.ndarray]]:
-    # a centre and a radius that clips nothing: a first round's provisional centre would put the flipped
-    # update among the radius' outliers (at most 5% of the round), before the banks could hold it back
+    # a radius that clips nothing: the first round's provisional centre would put the flipped update
+    # among the radius' outliers (at most 5% of the round), before the banks could hold it back
     rnd = RobustRound(SPECS, NormBound(multiplier=0), "centered_clip", consensus=Consensus(), verdict_banks=banks,
-                      radius=NormBound(multiplier=1000), center={"w": np.zeros(64, np.float32)})
+                      radius=NormBound(multiplier=1000))
     if rnd.banks is not None:
         rnd.banks.key = key
     for device, delta in updates.items():

@@ -77,10 +77,6 @@ class Damped:
     def center(self) -> Mapping[str, np.ndarray] | None:
         return self.fold.center
 
-    @property
-    def pulled(self) -> bool:
-        return getattr(self.fold, "pulled", True)
-
     def undecided(self, device: str) -> bool:
         return self.fold.undecided(device)
 

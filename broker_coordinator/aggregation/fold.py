@@ -3,7 +3,7 @@ whatever wraps it (buffered damping, central DP).
 
 A fold is given answers one at a time (`add`), gives the round's aggregate step once when the round
 closes (`result`), and says what it did on the way (`report`): which updates it clipped, pulled
-towards or counted as the centre, left out or held back, and how the step is paced. The round's record, the log
+towards the centre, left out or held back, and how the step is paced. The round's record, the log
 lines, the Prometheus counters and the server rule read the report and nothing else of the fold.
 
 While the round is open, the verdicts a device's receipt carries (`engine/verdicts.py`) read the

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
 GEOMED_ITERATIONS = 8  # Weiszfeld steps: RFA reports 3-4 enough; the held round is small
@@ -24,20 +22,6 @@ def geometric_median(points: np.ndarray, weights: np.ndarray, iterations: int = 
         if done:
             break
     return z
-
-
-def geometric_median_of(deltas: list[Mapping[str, np.ndarray]], weights: list[float],
-                        specs: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """`geometric_median` of whole deltas (their tensors flattened in the order of `specs`)."""
-    names = list(specs)
-    flat = np.stack([np.concatenate([np.ravel(d[n]) for n in names]) for d in deltas]).astype(np.float64)
-    z = geometric_median(flat, np.asarray(weights, dtype=np.float64))
-    out, start = {}, 0
-    for n in names:
-        size = int(np.prod(specs[n]))
-        out[n] = z[start:start + size].reshape(specs[n]).astype(np.float32)
-        start += size
-    return out
 
 
 def trimmed_mean(stack: np.ndarray, trim: float) -> np.ndarray:

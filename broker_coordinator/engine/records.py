@@ -85,8 +85,8 @@ class RoundRecords:
             log.debug("round %d: update from %s clipped from norm %.4g to %.4g", rnd.number, device, norm, bound)
             self.metrics.bounded.labels("norm").inc()
         for device, (distance, radius) in report.centered.items():
-            log.debug("round %d: update from %s counted as the centre (distance %.4g, radius %.4g)",
-                      rnd.number, device, distance, radius)
+            log.debug("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
+                     rnd.number, device, distance, radius)
             self.metrics.bounded.labels("center").inc()
             rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
         if report.centered:

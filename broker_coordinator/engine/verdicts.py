@@ -1,8 +1,8 @@
 """What the fold made of each accepted update: its verdict, which the device's receipt carries.
 
     folded    in the aggregate as sent (scale 1)
-    clipped   in the aggregate, shortened by the norm bound and/or, outside centered clipping's
-              radius, counted as the centre; `scale` is what the device commits (see below)
+    clipped   in the aggregate, shortened by the norm bound and/or pulled towards the centre by
+              centered clipping; `scale` is what the device commits (see below)
     left_out  accepted (valid, signed, in time) but not in the aggregate: the direction gate
               dropped it, or its round was abandoned; scale 0
     pending   not decided yet: a cold start holds it until the flush, a non-streaming fold
@@ -13,12 +13,10 @@ The verdicts are read off `RobustRound`'s own records (`clipped`, `centered`, `g
 never recomputed: what the receipt says is what the fold did.
 
 The scale of a clipped update. Norm clipping multiplies the delta d by s1 = bound / ||d||: the
-device commits s1 d exactly. An update outside centered clipping's radius (or, in a first round,
-pointing away from its centre) is folded as the centre c itself, which the device does not hold
-(after a round without a majority, or in one where nothing came in within the radius, as
-c + k (s1 d - c), k = tau / ||s1 d - c||).
-The receipt carries the effective scale, the projection of what was folded on what was sent,
-    s = <c, d> / ||d||^2   (or k s1 + (1 - k) <c, d> / ||d||^2),
+device commits s1 d exactly. Centered clipping folds c + k (s1 d - c), k = tau / ||s1 d - c||,
+around a centre c the device does not hold. The receipt carries the effective scale, the
+projection of what was folded on what was sent,
+    s = <folded, d> / ||d||^2 = k s1 + (1 - k) <c, d> / ||d||^2,
 clamped to [0, 1]: the multiple of its own delta closest (in L2) to its contribution, and never
 more than it sent. The coordinator computes <c, d> once per update that the centre may clip
 (O(model), at intake).
@@ -84,13 +82,11 @@ def judge(aggregate: Any, device: str, ratio: float | None) -> Verdict:
         norm, bound = aggregate.clipped[device]
         scale = bound / norm if norm > 0 else 0.0
         parts.append(f"norm {norm:.4g} -> {bound:.4g}")
-    if device in aggregate.centered:  # folded as the centre itself (as clipped towards it when nothing was inside)
+    if device in aggregate.centered:
         distance, radius = aggregate.centered[device]
-        k = radius / distance if getattr(aggregate, "pulled", True) and distance > radius else 0.0
+        k = radius / distance if distance > 0 else 1.0
         scale = min(1.0, max(0.0, k * scale + (1 - k) * (ratio or 0.0)))
-        parts.append((f"{distance:.4g} from the centre, outside its radius {radius:.4g}" if distance > radius
-                      else "pointed away from the first updates' centre")
-                     + (": clipped towards the centre" if k else ": counted as the centre"))
+        parts.append(f"distance from the centre {distance:.4g} -> {radius:.4g}")
     if not parts:
         return Verdict(FOLDED, 1.0, weighed, share)
     detail = f"{'; '.join(parts)}; effective scale {scale:.4g}" + (f"; {weighed}" if weighed else "")
@@ -179,7 +175,6 @@ class _Fresh:
 
     def __init__(self, aggregate: Any, device: str, mark: tuple[Any, Any]) -> None:
         self.gated, self.discounted = aggregate.gated, aggregate.discounted
-        self.pulled = getattr(aggregate, "pulled", True)  # outliers clipped towards the centre, not counted as it
         self.clipped = {device: v} if (v := aggregate.clipped.get(device)) is not None and v is not mark[0] else {}
         self.centered = ({device: v} if (v := aggregate.centered.get(device)) is not None and v is not mark[1]
                          else {})

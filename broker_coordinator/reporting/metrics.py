@@ -21,7 +21,7 @@ class Metrics:
         self.accepted = Counter("edgefl_updates_accepted", "Updates folded into the aggregate", registry=r)
         self.rejected = Counter("edgefl_updates_rejected", "Updates rejected, by reason", ["reason"], registry=r)
         self.bounded = Counter("edgefl_updates_bounded", "Accepted updates the server bounded: weight clipped, "
-                               "norm clipped, counted as the centre, left out for their direction, or "
+                               "norm clipped, clipped towards the centre, left out for their direction, or "
                                "disagreeing with their round or departing from it like another device (kin; the device weighs "
                                "less from then on), or held back with a flagged update's partial sum (held_back)",
                                ["how"], registry=r)
