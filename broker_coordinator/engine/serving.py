@@ -44,8 +44,9 @@ from edgefl_protocol.persist import atomic_write
 log = logging.getLogger("broker_coordinator")
 STATE_FILE = "serving.json"
 PROMOTE_FILE = "serving.promote"  # written by `broker-coordinator model promote N`
-# 4-bit in chunks of 64 (no top-k): 6.9x smaller than the full model and within 0.5 points of it at
-# every release; top-k codecs were 14-30x smaller but up to 3.3 points off early (bench/results/serving.md)
+# 4-bit in chunks of 64 (no top-k): 6.9x smaller than the full model and its accuracy within 0.1 points
+# at every release; top-k codecs were 8-30x smaller but up to 0.4-4.4 points off (research/probe_serving,
+# docs/RESEARCH.md; bench/results/serving.md measures the shipped one)
 SERVING_DELTA_CODEC = "q4c64+zlib"
 SERVING_CHAIN = 4  # a device that missed up to 3 releases still fetches deltas (4 are smaller than one model)
 
