@@ -29,13 +29,14 @@ the device may train now; its status says so (`eligible`, `why`), checked again 
 republished only when the answer changes, and a task that arrives while it may not train is
 refused with the reason. A training that has started is finished.
 
-Once per model version, before training changes the model, the agent offers the verified release to
-the device's serving store through the local gate (`serving_gate`); a store that cannot be written
-is logged and counted, and never stops training.
+Once per model version the agent offers the verified release to the device's serving store through
+the local gate (`serving_gate`), after the round's answer is out (a copy taken before training); a
+store that cannot be written is logged and counted, and never stops training.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import signal
@@ -262,8 +263,10 @@ class Agent:
             return
         self.fetch.remember_model(release, body)
         self._judged_by = (task.round, data, objective)
-        if not (self.serving_fetch and self.serving_fetch.seen):  # a coordinator without serving releases
-            self._serve(task.round, release, model, data, objective)
+        # a coordinator without serving releases: the version it trains from is served, once the round's
+        # answer is out (writing model.onnx takes seconds on a Pi Zero, and the deadline is the round's)
+        serve = copy.deepcopy(model) if self.serving and not (self.serving_fetch and self.serving_fetch.seen) \
+            and self.serving.wants(release.version) else None
         try:
             evaluation = self._evaluate(task, model, data, objective)
             if not task.train:
@@ -275,6 +278,9 @@ class Agent:
             self._refuse(task, exc)
         except Exception:  # a bug or a hostile task must not take the device's service down
             log.exception("round %d: task failed; waiting for the next one", task.round)
+        finally:
+            if serve is not None:
+                self._serve(task.round, release, serve, data, objective)
 
     def _serve_release(self) -> None:
         """The coordinator's serving release, once it is whole, through the gate: judged on the data
@@ -294,7 +300,7 @@ class Agent:
 
     def _serve(self, round_no: int, release: messages.ModelRelease, model: torch.nn.Module,
                data: LocalData, objective: Objective) -> None:
-        """Offer a new version to the serving store (once per version, before training changes `model`)."""
+        """Offer a new version to the serving store (once per version; `model` as released, not trained)."""
         if self.serving is None or not self.serving.wants(release.version):
             return
         try:
