@@ -144,3 +144,28 @@ def test_the_serving_downlink_setting_is_checked():
     from broker_coordinator.settings.serving_settings import ServingSettings
     with pytest.raises(ValueError, match="downlink must be one of delta, full"):
         ServingSettings(downlink="xor").validate()
+
+
+def test_a_promoted_version_and_a_restarted_coordinator_start_the_chain_afresh(tmp_path):
+    """A version promoted by hand, or the first release after a restart, goes out in full with no
+    chain, and the deltas retained for the chain before it are cleared from the broker."""
+    from broker_coordinator.engine.serving import ServingReleases, read_published, request_promote
+    e = engine(tmp_path, only_better=False)
+    for round_no in (1, 2, 3):
+        fold_round(e, answers(e, 1.0, seed=round_no), round_no)
+    assert read_published(tmp_path)["deltas"] == [2, 3]
+    request_promote(tmp_path, 1)
+    e.idle(0.0)
+    manifest, weights = retained_release(e)
+    assert manifest.version == 1 and manifest.chain == []
+    assert not [t for t in e.transport.retained if topics.parse_serving_delta_topic(t) is not None]
+    assert read_published(tmp_path)["weights"] == "promoted" and read_published(tmp_path)["deltas"] == []
+    fold_round(e, answers(e, 1.0, seed=4), 4)  # the chain goes on from the promoted release
+    assert [v for v, _ in retained_release(e)[0].chain] == [4]
+    # a restarted coordinator: its first release in full, the last run's deltas cleared
+    restarted = ServingReleases(FED, e.arch, e.releases.fingerprint, "float32", downlink.DEFAULT_CHUNK_BYTES,
+                                e.serving.settings, True, tmp_path)
+    restarted.publish(e.transport, 5, 5, e.served.weights, None, "accuracy", "served")
+    manifest = messages.decode_model(e.transport.retained[topics.serving(FED)], 1 << 20)
+    assert manifest.version == 5 and manifest.chain == []
+    assert topics.serving_delta(FED, 4) not in e.transport.retained
