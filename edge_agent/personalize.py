@@ -52,7 +52,9 @@ def personalize(model: torch.nn.Module, train: Dataset, objective: Objective, mo
     return None
 
 
-def with_label_prior(model: torch.nn.Module, train: Dataset, objective: Objective) -> Personalized | None:
+def with_label_prior(model: torch.nn.Module, train: Dataset, objective: Objective,
+                     strength: float | None = None) -> Personalized | None:
+    """The copy with the device's label prior at `strength` (None: fitted on the training data)."""
     if objective.task != "classification":
         return None
     copied = copy.deepcopy(model)
@@ -64,7 +66,7 @@ def with_label_prior(model: torch.nn.Module, train: Dataset, objective: Objectiv
     counts = np.bincount(labels, minlength=classes)[:classes].astype(np.float64)
     prior = (counts + SMOOTHING) / (counts.sum() + SMOOTHING * classes)
     log_prior = torch.as_tensor(np.log(prior * classes), dtype=bias.dtype)
-    strength = fitted_strength(copied, train, log_prior)
+    strength = fitted_strength(copied, train, log_prior) if strength is None else strength
     with torch.no_grad():
         bias.add_(strength * log_prior)
     return Personalized(copied.eval(), {"strength": strength})

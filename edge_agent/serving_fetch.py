@@ -75,8 +75,7 @@ class ServingFetch:
                 return
             self._drop_fetch(client)
             self.newest = release.version
-            plan = delta_downlink.plan(release, dict([self.held])) if self.held and release.codec == "float32" \
-                else None
+            plan = delta_downlink.plan(release, dict([self.held])) if self.held else None
             if plan is None:
                 self.assembly = downlink.Assembly(release)
             else:
@@ -90,8 +89,11 @@ class ServingFetch:
         if self.assembly is not None:
             client.unsubscribe(topics.serving_chunks(self.fed, self.assembly.manifest.version))
         if self.chain is not None:
-            client.unsubscribe([topics.serving_delta(self.fed, v) for v in self.chain.versions])
+            self._unsubscribe(client, self.chain)
         self.assembly = self.chain = None
+
+    def _unsubscribe(self, client, chain: delta_downlink.Chain) -> None:  # noqa: ANN001
+        client.unsubscribe([topics.serving_delta(self.fed, v) for v in chain.versions])
 
     def _on_chunk(self, client, version: int, index: int, payload: bytes) -> None:  # noqa: ANN001
         with self.lock:
@@ -130,13 +132,15 @@ class ServingFetch:
             with self.lock:
                 if self.chain is c:
                     self.chain = None
-                if self.assembly is None and self.newest == c.manifest.version:
+                refetch = self.assembly is None and self.newest == c.manifest.version  # not overtaken since
+                if refetch:
                     self.assembly = downlink.Assembly(c.manifest)
-            client.unsubscribe([topics.serving_delta(self.fed, v) for v in c.versions])
-            client.subscribe(topics.serving_chunks(self.fed, c.manifest.version), qos=1)
+            self._unsubscribe(client, c)
+            if refetch:
+                client.subscribe(topics.serving_chunks(self.fed, c.manifest.version), qos=1)
             raise Rejected(exc.reason, f"{exc.detail}; fetching serving release {c.manifest.version} in full") \
                 from None
-        client.unsubscribe([topics.serving_delta(self.fed, v) for v in c.versions])
+        self._unsubscribe(client, c)
         self._arrived(c.manifest, body, "delta", f"as {len(c.versions)} delta(s) from the release it held")
 
     def _arrived(self, release: messages.ModelRelease, body: bytes, way: str, how: str) -> None:
@@ -144,7 +148,7 @@ class ServingFetch:
         with self.lock:
             self.ready = (release, body)
             self.fetched[way] += 1
-            if release.codec == "float32":  # what the next release's deltas may apply to
+            if release.codec == "float32":  # what the next release's deltas may apply to (a chain needs float32)
                 self.held = (hashlib.sha256(body).hexdigest(), body)
 
     def counts(self) -> dict[str, dict[str, int]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 
 from bench import inmemory, serving_local
 from bench.algorithms import ROUND_TIMEOUT, fleet_for
@@ -93,23 +92,11 @@ def prior(seed: int) -> None:
         rows.setdefault("fitted", []).append(objective.evaluate(fitted.model, device.held_out).score)
         strengths.append(fitted.detail["strength"])
         for strength in STRENGTHS:
-            fixed = fixed_prior(model, device.train, strength)
+            fixed = personalize.with_label_prior(model, device.train, objective, strength).model
             rows.setdefault(f"strength {strength:g}", []).append(objective.evaluate(fixed, device.held_out).score)
     print(f"seed {seed}, release {served[-1][0]}, held-out accuracy (%): " + ", ".join(
         f"{name} {100 * np.mean(values):.2f}" for name, values in rows.items())
           + f"; fitted strengths: median {np.median(strengths):g}", flush=True)
-
-
-def fixed_prior(model: torch.nn.Module, train, strength: float) -> torch.nn.Module:  # noqa: ANN001 - a Dataset
-    import copy
-    copied = copy.deepcopy(model)
-    bias = personalize._class_bias(copied)
-    classes = bias.numel()
-    counts = np.bincount(np.asarray(train.y, dtype=np.int64), minlength=classes)[:classes].astype(np.float64)
-    p = (counts + personalize.SMOOTHING) / (counts.sum() + personalize.SMOOTHING * classes)
-    with torch.no_grad():
-        bias.add_(strength * torch.as_tensor(np.log(p * classes), dtype=bias.dtype))
-    return copied.eval()
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ class ServingReleases:
         self.payloads = payloads
         self.published = {"version": version, "round": round_no, "score": score, "metric": metric, "weights": how,
                           "chunks": len(chunks), "sha256": manifest.sha256, "published_at": time.time(),
-                          "deltas": sorted(deltas), "delta_bytes": len(deltas.get(version, b""))}
+                          "deltas": sorted(deltas)}
         if self.dir is not None:
             atomic_write(self.dir / STATE_FILE, json.dumps(self.published, indent=1), mode=0o644)
         log.info("serving: published model version %d (round %d, %s%s) for the devices to serve", version,

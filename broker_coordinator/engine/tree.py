@@ -86,13 +86,13 @@ def quotas(clients: int, devices: Mapping[str, int]) -> dict[str, int]:
     return {site: n for site, n in share.items() if n > 0}
 
 
-
 def site_tensors(engine: Engine, round_no: int) -> tuple[list, bytes, list, bytes]:
     """What a site task carries beside its rules, coded: centered_clip's centre and root_trust's root
     update (each empty when the fold has none)."""
     s = engine.settings
     return (*encode_center(engine.center if s.aggregator == "centered_clip" else None),
             *encode_center(engine.root_step(round_no) if s.root_trust else None))
+
 
 class Sites:
     def __init__(self, sites: Mapping[str, SiteSpec], max_update_bytes: int) -> None:
