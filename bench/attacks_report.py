@@ -30,6 +30,8 @@ FOLDS: dict[str, dict] = {"centered_clip": {}, "mean": {"aggregator": "mean"},
                          "centered_clip+banks8+kinship0.4": {"verdict_banks": 8, "kinship": 0.4, **LAST},
                          # the agreement stage flags only median cosines below -0.05 (aggregation/consensus.py)
                          "centered_clip+floor0.05": {"agreement_floor": 0.05, **LAST},
+                         # a device's weight falls from its second flag in its last 5 judged updates
+                         "centered_clip+flags2": {"agreement_flags": 2},
                          # the default fold serving a slower average (research/served_decay.py: fewer late declines)
                          "centered_clip+serve0.9": {"serve_average": 0.9},
                          # the default fold weighing each update by its cosine with the coordinator's own update on
@@ -51,7 +53,7 @@ ROOT_FOLD = "centered_clip+root"
 EARLY = range(2, 6)  # the rounds whose served model the early gap compares
 # the rows the grid runs; FOLDS' other rows are research variants, measured with the agreement stage of an
 # earlier release (docs/RESEARCH.md) and run again only when named (--folds)
-GRID = ("centered_clip", "centered_clip+root", "centered_clip+votes", "mean", "mean+serve0", "geomed", "trimmed_mean",
+GRID = ("centered_clip", "centered_clip+flags2", "centered_clip+root", "centered_clip+votes", "mean", "mean+serve0", "geomed", "trimmed_mean",
         "median")
 CUT = (f"the second partition ({SECOND}) runs clean, absent@0.1 and {', '.join(SECOND_ATTACKS)} at 10% only, "
        "flat only; 10 rounds on the headline partition, with the MLP (not the issue's 25 with the CNN); sites only on the headline partition (clean and one "

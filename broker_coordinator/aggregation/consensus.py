@@ -66,14 +66,21 @@ from typing import Any
 import numpy as np
 
 from broker_coordinator.aggregation.trust import MIN_STANDING
-from broker_coordinator.settings.choices import DEFAULT_AGREEMENT_FLOOR, DEFAULT_KINSHIP
+from broker_coordinator.settings.choices import (
+    AGREEMENT_WINDOW,
+    DEFAULT_AGREEMENT_FLAGS,
+    DEFAULT_AGREEMENT_FLOOR,
+    DEFAULT_KINSHIP,
+)
 from edgefl_protocol.sparse_delta import SparseDelta
 
 SKETCH_DIM = 2048  # cosines of sketches within about 0.02 of the true ones (tests/test_consensus.py)
 MIN_JUDGED = 4  # fewer updates in a round: no majority to speak of, nothing is flagged
 MAD_MULTIPLIER = 2.0
-WINDOW = 5  # judged updates per device remembered
+WINDOW = AGREEMENT_WINDOW  # judged updates per device remembered
 FLAG_COST = 2.0  # each flag in the window costs 2 / WINDOW of the weight
+COPY_COSINE = 0.95  # a flagged update this close to another of its round is a copy: it counts COPY_FLAGS
+COPY_FLAGS = 2
 SEED = 20211  # fixed: a site and the centre sketch the same way
 KIN_DIM = 512  # a path's buckets (the sketch folded: SKETCH_DIM is a multiple)
 KIN_MIN_ROUNDS = 3  # judged updates before a device's path is compared: one or two departures are noise
@@ -157,6 +164,20 @@ def _judged(sketches: Mapping[str, np.ndarray], floor: float, dimension: int) ->
     return {d: float(m) for d, m in zip(devices, medians) if m < threshold}
 
 
+def _copies(sketches: Mapping[str, np.ndarray], flagged: Mapping[str, float]) -> set[str]:
+    """The flagged devices whose update is a near copy of another update of the round: honest devices'
+    data differ, so their updates never are; Sybils sending one crafted update are (FoolsGold's premise)."""
+    if not flagged:
+        return set()
+    devices = list(sketches)
+    unit = np.stack([np.asarray(sketches[d], dtype=np.float32) for d in devices])
+    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    rows = [devices.index(d) for d in flagged]
+    cosines = unit[rows] @ unit.T
+    cosines[np.arange(len(rows)), rows] = -1.0  # not a copy of itself
+    return {devices[r] for r, best in zip(rows, cosines.max(axis=1)) if best > COPY_COSINE}
+
+
 def _folded(sketch: np.ndarray) -> np.ndarray:
     """A sketch in KIN_DIM buckets (bucket j mod KIN_DIM): itself a count sketch of the delta."""
     flat = np.ravel(np.asarray(sketch, dtype=np.float32))
@@ -168,10 +189,12 @@ def _folded(sketch: np.ndarray) -> np.ndarray:
 class Consensus:
     """Devices' standing from the agreement of their updates with their rounds (checkpointed)."""
 
-    def __init__(self, kinship: float = DEFAULT_KINSHIP, floor: float = DEFAULT_AGREEMENT_FLOOR) -> None:
+    def __init__(self, kinship: float = DEFAULT_KINSHIP, floor: float = DEFAULT_AGREEMENT_FLOOR,
+                 flags_to_act: int = DEFAULT_AGREEMENT_FLAGS) -> None:
         self.kinship = kinship
         self.floor = floor  # `agreement_floor`: how far below 0 a median cosine must be to flag
-        self.flags: dict[str, list[int]] = {}  # device -> 1 (flagged) or 0 for its last WINDOW judged updates
+        self.flags_to_act = flags_to_act  # `agreement_flags`: flags in the window before the weight falls
+        self.flags: dict[str, list[int]] = {}  # device -> its flags (0, 1, COPY_FLAGS) in its last WINDOW judged updates
         self.paths: dict[str, np.ndarray] = {}  # device -> the sum of its judged updates' departures (kinship)
         self.judged: dict[str, int] = {}  # device -> its judged updates (insertion order: least recent first)
         self.kin: dict[str, tuple[str, float]] = {}  # the last judged round's kin: device -> (closest, cosine)
@@ -186,7 +209,7 @@ class Consensus:
     def of(self, device: str) -> float:
         """The share of its weight the device keeps."""
         flags = sum(self.flags.get(device, ()))
-        return max(MIN_STANDING, 1.0 - FLAG_COST * flags / WINDOW) if flags else 1.0
+        return max(MIN_STANDING, 1.0 - FLAG_COST * flags / WINDOW) if flags >= self.flags_to_act else 1.0
 
     def judge(self, sketches: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Flag a closed round's disagreeing updates (returned) and its kin (in `kin`), and remember
@@ -197,9 +220,10 @@ class Consensus:
             return {}  # no majority to speak of: nothing judged, nothing remembered
         if self.kinship > 0:
             self.kin = self._kinship(sketches)
+        copies = _copies(sketches, flagged)
         for device in sketches:
             history = self.flags.setdefault(device, [])
-            history.append(int(device in flagged or device in self.kin))
+            history.append(COPY_FLAGS if device in copies else int(device in flagged or device in self.kin))
             del history[:-WINDOW]
             if not any(history):
                 del self.flags[device]  # nothing to remember: the device keeps all of its weight
@@ -242,7 +266,8 @@ class Consensus:
                 "paths": {d: p.astype(np.float16) for d, p in self.paths.items()}, "judged": dict(self.judged)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        self.flags = {str(d): [int(bool(x)) for x in f][-WINDOW:] for d, f in (state.get("flags") or {}).items()}
+        self.flags = {str(d): [min(COPY_FLAGS, max(0, int(x))) for x in f][-WINDOW:]
+                      for d, f in (state.get("flags") or {}).items()}
         judged = state.get("judged") or {}
         self.paths = {str(d): np.asarray(p, dtype=np.float32).reshape(KIN_DIM)
                       for d, p in (state.get("paths") or {}).items() if d in judged}

@@ -135,7 +135,8 @@ class Engine:
         # round opens, to the sites too), and the radius' history of distances from it
         self.center: dict[str, np.ndarray] | None = None
         self.radius = NormBound.radius(settings.norm_bound)
-        self.consensus = Consensus(settings.kinship, settings.agreement_floor)  # standing by agreement
+        self.consensus = Consensus(settings.kinship, settings.agreement_floor,  # standing by agreement
+                                   settings.agreement_flags)
         keys = dict(device_keys or {})
         self.privacy = private_rounds_for(settings, len(keys))
 

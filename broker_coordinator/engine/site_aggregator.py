@@ -83,7 +83,7 @@ from edgefl_models.objectives import Objective
 
 log = logging.getLogger("broker_coordinator.site")
 TRUST_RULES = ("max_update_norm", "weighting", "weight_cap", "norm_bound", "normalize_steps", "aggregator",
-               "sign_quorum", "kinship", "agreement_floor", "verdict_banks", "root_trust")
+               "sign_quorum", "kinship", "agreement_floor", "agreement_flags", "verdict_banks", "root_trust")
 STATUS_EVERY = 1.0  # seconds between the leader's presence reports, at most
 
 
@@ -321,8 +321,8 @@ class SiteWorker:
             self.radius = NormBound.radius(rules.get("norm_bound", 1.5))
         rules.setdefault("aggregator", "mean")  # a coordinator from before the centre was sent
         settings = RoundSettings(algorithm=task.algorithm, codec=task.codec, **rules)
-        self.consensus.kinship = settings.kinship
-        self.consensus.floor = settings.agreement_floor
+        self.consensus.kinship, self.consensus.floor, self.consensus.flags_to_act = (
+            settings.kinship, settings.agreement_floor, settings.agreement_flags)
         try:
             center = decode_center(site_task, self.specs)
         except Rejected as exc:

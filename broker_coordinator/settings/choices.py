@@ -18,6 +18,11 @@ DEFAULT_KINSHIP = 0.0
 # -agreement_floor (and its round's MAD rule). 0 = today's rule; the sketch measures a cosine to about
 # 0.02, so flags just below 0 are mostly sketch noise and near-orthogonal honest updates (docs/RESEARCH.md)
 DEFAULT_AGREEMENT_FLOOR = 0.0
+# centered_clip's agreement stage: the flags among a device's last 5 judged updates before its weight falls.
+# 1: from its first; 2 spares honest devices of skewed data (a third of them down-weighted on digits' label
+# shards at 1, a tenth at 2) and costs the headline's 20% attacks (docs/RESEARCH.md)
+DEFAULT_AGREEMENT_FLAGS = 1
+AGREEMENT_WINDOW = 5  # a device's judged updates its flags are counted over
 WEIGHTINGS = ("capped", "uniform", "reported")  # what a device's sample count may weigh (aggregation/trust.py)
 POLICIES = ("random", "stability")  # cohort selection (engine/selection.py)
 STALENESS_WEIGHTS = ("inverse_sqrt", "constant")  # buffered mode (aggregation/staleness.py)

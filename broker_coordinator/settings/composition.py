@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker_coordinator.settings.choices import STREAMING, TOPOLOGIES
+from broker_coordinator.settings.choices import DEFAULT_AGREEMENT_FLAGS, STREAMING, TOPOLOGIES
 
 
 class Settings(Protocol):
@@ -33,6 +33,7 @@ class Settings(Protocol):
     sign_quorum: float
     kinship: float
     agreement_floor: float
+    agreement_flags: int
     verdict_banks: int
     mode: str
     eval_only_every: int
@@ -55,18 +56,18 @@ def _private(s: Settings) -> bool:
     return s.privacy.on
 
 
-def _centered_clip_stage(setting: str, reason: str) -> Rule:
-    """A stage of centered_clip's consensus (on when `setting` > 0) asked of a fold that keeps none."""
+def _centered_clip_stage(setting: str, reason: str, off: float = 0) -> Rule:
+    """A stage of centered_clip's consensus (on when `setting` is not `off`) asked of a fold that keeps none."""
     return Rule(f"{setting} + aggregator mean | gated_mean | trimmed_mean | median | geomed", "not built", reason,
-                lambda s, t: getattr(s, setting) > 0 and s.aggregator != "centered_clip",
-                f'{setting} = 0, or aggregator = "centered_clip"')
+                lambda s, t: getattr(s, setting) != off and s.aggregator != "centered_clip",
+                f'{setting} = {off:g}, or aggregator = "centered_clip"')
 
 
-def _beyond_the_clip(setting: str, reason: str) -> Rule:
-    """A stage (on when `setting` > 0) whose verdict on one device depends on the others' updates of the
-    round, under central privacy: its sensitivity would exceed the clip C the noise covers."""
+def _beyond_the_clip(setting: str, reason: str, off: float = 0) -> Rule:
+    """A stage (on when `setting` is not `off`) whose verdict on one device depends on the others' updates of
+    the round, under central privacy: its sensitivity would exceed the clip C the noise covers."""
     return Rule(f"privacy central + {setting}", "mathematical", reason,
-                lambda s, t: _private(s) and getattr(s, setting) > 0, f"{setting} = 0")
+                lambda s, t: _private(s) and getattr(s, setting) != off, f"{setting} = {off:g}")
 
 
 def _sam_family(s: Settings) -> bool:
@@ -140,6 +141,12 @@ RULES: tuple[Rule, ...] = (
     _beyond_the_clip("agreement_floor", "the agreement stage flags a device by its cosines with the other "
                                         "devices' updates of the same round, beyond the clip C the noise covers; "
                                         "the private fold runs without it"),
+    _centered_clip_stage("agreement_flags", "the flags are centered_clip's agreement stage's "
+                                            "(aggregation/consensus.py), which the other folds do not keep",
+                         off=DEFAULT_AGREEMENT_FLAGS),
+    _beyond_the_clip("agreement_flags", "the agreement stage flags a device by its cosines with the other "
+                                        "devices' updates of the same round, beyond the clip C the noise covers; "
+                                        "the private fold runs without it", off=DEFAULT_AGREEMENT_FLAGS),
     _centered_clip_stage("verdict_banks", "the banks hold back what centered_clip's consensus flags "
                                           "(aggregation/banks.py); the other folds flag nothing"),
     _beyond_the_clip("verdict_banks", "a bank is held back when another device's update in it is flagged, which "

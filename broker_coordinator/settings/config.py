@@ -56,6 +56,8 @@
                                          # (path cosine above this); off: it stopped no backdoor (RESEARCH.md)
     agreement_floor = 0.0                # centered_clip: flag an update as pointing away only below -this median
                                          # cosine (0.05 measured: fewer honest flags; RESEARCH.md)
+    agreement_flags = 1                  # centered_clip: flags in a device's last 5 judged updates before its
+                                         # weight falls (2: spares devices of skewed data; RESEARCH.md)
     verdict_banks = 0                    # centered_clip: > 0 (8 measured) lets a round's flags hold back its own
                                          # updates, at the price of their bank-mates; memory this x model
 

@@ -22,7 +22,9 @@ from typing import Any
 
 from broker_coordinator.settings.choices import (
     AGGREGATORS,
+    AGREEMENT_WINDOW,
     DEFAULT_AGGREGATOR,
+    DEFAULT_AGREEMENT_FLAGS,
     DEFAULT_AGREEMENT_FLOOR,
     DEFAULT_KINSHIP,
     EVALUATE_MODES,
@@ -162,6 +164,7 @@ class FoldSettings:
     sign_quorum: float = 0.0  # streaming folds: a coordinate moves only where this share of updates agree on its sign; 0 = off
     kinship: float = DEFAULT_KINSHIP  # centered_clip: flag devices whose updates depart alike (path cosine over it); 0 = off
     agreement_floor: float = DEFAULT_AGREEMENT_FLOOR  # centered_clip: an update points away below -this median cosine
+    agreement_flags: int = DEFAULT_AGREEMENT_FLAGS  # centered_clip: flags in a device's last 5 judged updates before its weight falls
     verdict_banks: int = 0  # centered_clip: partial sums that let a round's flags hold back its own updates; 0 = off
     root_trust: bool = False  # streaming folds: weigh each update by its cosine with the coordinator's own update on [federation] root_data (FLTrust); at 0 or below it is left out
 
@@ -180,6 +183,9 @@ class FoldSettings:
                                                "flagged; 0 = off)"),
             ("agreement_floor", 0 <= self.agreement_floor < 1,
              "must be in [0, 1) (the median cosine below whose negative an update counts as pointing away; 0 = below 0)"),
+            ("agreement_flags", type(self.agreement_flags) is int and 1 <= self.agreement_flags <= AGREEMENT_WINDOW,
+             f"must be an integer from 1 (a device's weight falls at its first flag) to {AGREEMENT_WINDOW} (the judged "
+             "updates a device's flags are counted over)"),
             ("root_trust", isinstance(self.root_trust, bool), "must be true or false"),
             ("verdict_banks", type(self.verdict_banks) is int and 0 <= self.verdict_banks <= 64,
              "must be an integer from 0 (off) to 64 (partial sums of the model a round keeps)"),

@@ -14,6 +14,7 @@ from typing import Any
 from broker_coordinator.settings import composition
 from broker_coordinator.settings.choices import (
     DEFAULT_AGGREGATOR,
+    DEFAULT_AGREEMENT_FLAGS,
     DEFAULT_AGREEMENT_FLOOR,
     DEFAULT_KINSHIP,
     DEFAULT_SERVER_LR,
@@ -70,6 +71,9 @@ class RoundSettings:
     # centered_clip: flag an update as pointing away from its round only when its median cosine with the
     # round's others is below -agreement_floor (a margin over the sketch's error); 0 = below 0 suffices
     agreement_floor: float = DEFAULT_AGREEMENT_FLOOR
+    # centered_clip: the flags among a device's last 5 judged updates before its weight falls; 1 = at the first
+    # (a flagged update that copies another of its round counts twice)
+    agreement_flags: int = DEFAULT_AGREEMENT_FLAGS
     # centered_clip: fold the round's updates into this many partial sums, so that its flags reach its own
     # updates (a flagged update's sum at 5%); memory this x model; 0 = flags act from the next update on
     # (aggregation/banks.py)
