@@ -53,14 +53,16 @@ def test_every_rule_is_listed_in_the_architecture_doc():
                 assert word in row, f"{rule.combination}: {word!r} is not in the doc's row {row!r}"
 
 
-@pytest.mark.parametrize("setting,value", [("kinship", 0.4), ("verdict_banks", 8), ("agreement_floor", 0.05)])
-def test_centered_clip_s_opt_in_stages_run_everywhere_it_runs_and_never_under_central_privacy(setting, value):
-    """kinship and agreement_floor (aggregation/consensus.py) and verdict_banks (aggregation/banks.py) act
-    on what centered_clip's consensus flags: every schedule and topology, no other fold, no central privacy."""
+@pytest.mark.parametrize("setting,value,off", [("kinship", 0.4, 0), ("verdict_banks", 8, 0),
+                                               ("agreement_floor", 0.05, 0), ("agreement_flags", 2, 1)])
+def test_centered_clip_s_opt_in_stages_run_everywhere_it_runs_and_never_under_central_privacy(setting, value, off):
+    """kinship, agreement_floor and agreement_flags (aggregation/consensus.py) and verdict_banks
+    (aggregation/banks.py) act on what centered_clip's consensus flags: every schedule and topology, no
+    other fold, no central privacy."""
     for topology in composition.TOPOLOGIES:
         for mode in ("sync", "buffered"):
             assert composition.refusals(RoundSettings(**{setting: value}, mode=mode, algorithm="fedavg"), topology) == []
-    with pytest.raises(ValueError, match=rf'{setting} \+ aggregator .* is refused \(not built.*set {setting} = 0, '
+    with pytest.raises(ValueError, match=rf'{setting} \+ aggregator .* is refused \(not built.*set {setting} = {off}, '
                                          r'or aggregator = "centered_clip"'):
         composition.check(RoundSettings(**{setting: value}, aggregator="mean"))
     private = RoundSettings(**{setting: value}, algorithm="fedavg",

@@ -6,6 +6,7 @@ import pytest
 
 from broker_coordinator.aggregation.consensus import (
     CHUNK,
+    COPY_FLAGS,
     FLAG_COST,
     KIN_MIN_ROUNDS,
     MIN_JUDGED,
@@ -206,3 +207,29 @@ def test_a_round_without_a_majority_is_not_judged_and_leaves_no_mark():
     assert disagreeing(sketches, dimension=610) == {}
     consensus = Consensus()
     assert consensus.judge(sketches) == {} and consensus.flags == {}
+
+
+def test_with_agreement_flags_2_a_first_flag_costs_nothing_and_a_second_does():
+    rng = np.random.default_rng(5)
+    consensus = Consensus(flags_to_act=2)
+    consensus.judge(_round(rng, honest=8, flipped=1))
+    assert consensus.flags["x0"] == [1] and consensus.of("x0") == 1.0  # remembered, not yet acted on
+    consensus.judge(_round(rng, honest=8, flipped=1))
+    assert consensus.of("x0") == pytest.approx(1 - 2 * FLAG_COST / WINDOW)
+
+
+def test_a_flagged_copy_of_another_update_counts_twice_and_survives_a_checkpoint():
+    """Sybils sending one crafted update: each copy is flagged as two, so even with agreement_flags = 2 they
+    lose weight from their first round; an honest update is never a copy."""
+    rng = np.random.default_rng(6)
+    consensus = Consensus(flags_to_act=2)
+    updates = _round(rng, honest=8, flipped=1)
+    updates["x1"] = updates["x0"].copy()
+    flagged = consensus.judge(updates)
+    assert {"x0", "x1"} <= set(flagged)
+    assert consensus.flags["x0"] == [COPY_FLAGS] and consensus.flags["x1"] == [COPY_FLAGS]
+    assert consensus.of("x0") == pytest.approx(1 - COPY_FLAGS * FLAG_COST / WINDOW)
+    assert all(not any(consensus.flags.get(d, ())) for d in updates if d.startswith("h"))
+    again = Consensus(flags_to_act=2)
+    again.load_state(consensus.state())
+    assert again.flags == consensus.flags and again.of("x1") == consensus.of("x1")

@@ -143,14 +143,14 @@ def test_verdict_banks_hold_back_a_flagged_update_in_its_own_round_at_a_site_and
     assert "k0" in held_back and clipped.get("held_back") == len(held_back) < len(keys)
 
 
-def test_the_agreement_floor_reaches_the_coordinator_and_a_site_s_consensus(digits):
-    settings = RoundSettings(**{**SETTINGS.__dict__, "kinship": 0.0, "agreement_floor": 0.05})
+def test_the_agreement_floor_and_flags_reach_the_coordinator_and_a_site_s_consensus(digits):
+    settings = RoundSettings(**{**SETTINGS.__dict__, "kinship": 0.0, "agreement_floor": 0.05, "agreement_flags": 2})
     coordinator = Engine(FED, ARCH, digits.test, settings)
-    assert coordinator.consensus.floor == 0.05
+    assert coordinator.consensus.floor == 0.05 and coordinator.consensus.flags_to_act == 2
     fleet = Fleet(coordinator.specs)
     worker = SiteWorker(FED, "north", ARCH, signing.new_key(), dict(fleet.keys))
     task = messages.Task(1, 0, time.time() + 60, "fedavg", settings.task_hparams(1), {}, "float32", 1)
     center = {n: np.zeros(s, np.float32) for n, s in fleet.specs.items()}
     worker.open(SiteTask(1, 1, 0, messages.encode("task", task), site_rules(settings), *encode_center(center)),
                  task, set(fleet.keys))
-    assert worker.consensus.floor == 0.05
+    assert worker.consensus.floor == 0.05 and worker.consensus.flags_to_act == 2

@@ -94,9 +94,11 @@ class RoundRecords:
         if rnd.weights_clipped:
             clipped["weight"] = rnd.weights_clipped
         for device, cosine in report.disagreeing.items():
+            standing = self.consensus.of(device)
             log.info("round %d: update from %s points away from its round (median cosine %.3f with the "
-                        "others): its weight from its next update on is %.2f of its claim", rnd.number, device,
-                        cosine, self.consensus.of(device))
+                     "others): %s", rnd.number, device, cosine,
+                     f"its weight from its next update on is {standing:.2f} of its claim" if standing < 1 else
+                     "noted; its weight stays whole unless it points away again within its next judged updates")
             self.metrics.bounded.labels("disagreed").inc()
             rnd.device_metrics.setdefault(device, {})["disagreed"] = f"median cosine {cosine:.3f}"
         if report.disagreeing:
