@@ -84,7 +84,8 @@ BASELINE_RUNS = ("clean", "absent@0.1", "absent@0.2", "sign_flip@0.1", "reversed
 HELD_FOLDS = ("geomed", "trimmed_mean", "median")
 FULL_FOLDS = ("centered_clip", "centered_clip+votes", "centered_clip+votes+serve0.75", "centered_clip+kinship0.4",
               "centered_clip+banks8", "centered_clip+banks8+kinship0.4", "centered_clip+floor0.05",
-              "centered_clip+serve0", "centered_clip+serve0.9", "centered_clip+root")  # every run; the other folds only BASELINE_RUNS
+              "centered_clip+serve0", "centered_clip+serve0.9", "centered_clip+root",
+              "centered_clip+flags2")  # every run; the other folds only BASELINE_RUNS
 HELD_RUNS = ("clean", "absent@0.2", "sign_flip@0.2", "label_flip@0.2", "colluding@0.2", "inflated_count@0.2",
              "backdoor@0.1")
 ROUNDS = 10
