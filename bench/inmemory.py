@@ -140,7 +140,7 @@ class InMemoryFederation:
             self.task(round_no, hp), model, data, self.states[device], device=device, federation=FED,
             key=self.keys[device], seed=zlib.crc32(local_seed.encode()),
             budget=Budget(lambda: host_speed(self.arch) * PROFILES[self.classes[device]].speed,
-                          self.settings.round_timeout),
+                          self.settings.round_timeout, clock=lambda: 0.0),  # emulated: the speed takes no time
             released=self.coordinator.server_rule.broadcast_tensors(), rounding=rounding,
             tamper=None if tamper is None else lambda delta, n: tamper(device, delta, n, round_no))
 

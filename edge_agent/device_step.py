@@ -22,6 +22,7 @@ its verdict is known (`settlement`, from the returned `Sent`).
 from __future__ import annotations
 
 import copy
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,7 +68,8 @@ class Budget:
     """What the epochs are planned against when the task leaves them to the device."""
 
     speed: Callable[[], float]  # training samples/s of this model here; asked only when planning (it may calibrate)
-    seconds: float  # time left for training
+    seconds: float  # time left for training when the budget was made
+    clock: Callable[[], float] = time.monotonic  # a calibration inside `speed` spends the round's own seconds
 
 
 @dataclass
@@ -103,7 +105,9 @@ def device_step(task: messages.Task, model: torch.nn.Module, train: Dataset, sta
     settings = local_settings(hp)
     epochs_reason = "fixed by the coordinator"
     if settings.epochs == 0:
-        plan = plan_epochs(budget.speed(), len(train), budget.seconds,
+        asked = budget.clock()
+        speed = budget.speed()
+        plan = plan_epochs(speed, len(train), budget.seconds - (budget.clock() - asked),
                            tau=float(state.get(algorithm.name, {}).get("tau", 0.0)),
                            passes_per_step=float(hp.get("passes_per_step", 1.0)))
         settings.epochs, epochs_reason = plan.epochs, plan.reason

@@ -41,6 +41,14 @@ def test_the_epochs_are_planned_from_the_budget_when_the_task_leaves_them_to_the
     assert asked == [1] and step.epochs >= 1 and step.epochs_reason != "fixed by the coordinator"
 
 
+def test_the_seconds_a_calibration_takes_come_out_of_the_round_s_budget():
+    """A device's first round calibrates its speed inside the deadline: the epochs fit what is left."""
+    ticks = iter([0.0, 3.0])  # the speed takes 3 of the budget's 5 seconds
+    # 60 samples at 100 samples/s: 0.6 s an epoch; 2 s left x 0.7 fits 2 epochs (5 s would fit 5)
+    step = _step({}, {"local_epochs": 0}, budget=Budget(lambda: 100.0, 5.0, clock=lambda: next(ticks)))
+    assert step.epochs == 2 and "capped to fit 2 s" in step.epochs_reason
+
+
 def test_a_tamper_changes_what_is_sent_and_what_is_settled():
     def reverse(delta, n):
         return {k: -10 * v for k, v in delta.items()}, 10 * n
