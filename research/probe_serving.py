@@ -86,12 +86,17 @@ def codec(seed: int) -> None:
               f"over {len(gaps)} releases", flush=True)
 
 
-def prior(seed: int) -> None:
-    fed, objective = headline(), Objective()
+def last_release(seed: int) -> tuple[list, list, torch.nn.Module]:
+    """A run's releases, the devices' data, and its last release as a model in eval mode."""
     served, local = releases(seed)
-    model = build_model(fed.arch)
+    model = build_model(headline().arch)
     set_weights(model, served[-1][1])
-    model.eval()
+    return served, local, model.eval()
+
+
+def prior(seed: int) -> None:
+    objective = Objective()
+    served, local, model = last_release(seed)
     rows: dict[str, list[float]] = {}
     strengths = []
     for device in local:
@@ -112,11 +117,8 @@ HINDSIGHT = [(a, t, s) for a in (0.05, 0.5) for t in (0.5, 1.0, 2.0) for s in np
 
 
 def variants(seed: int) -> None:
-    fed, objective = headline(), Objective()
-    served, local = releases(seed)
-    model = build_model(fed.arch)
-    set_weights(model, served[-1][1])
-    model.eval()
+    objective = Objective()
+    served, local, model = last_release(seed)
     head = model.classifier[-1]
     release = (head.weight.detach().double(), head.bias.detach().double())
     rows: dict[str, list[float]] = {}

@@ -136,8 +136,7 @@ def median_cosines(sketches: np.ndarray) -> np.ndarray:
     """Each row's median cosine with the other rows, in float32 (the sketch is good to about 0.02)
     and CHUNK rows at a time: the whole matrix in float64 cost 40 MB of peak memory at 1,000
     updates a round (bench/runtime.py)."""
-    unit = np.array(sketches, dtype=np.float32)
-    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    unit = _unit_rows(np.array(sketches, dtype=np.float32))
     out = np.empty(len(unit))
     for start in range(0, len(unit), CHUNK):
         block = unit[start:start + CHUNK] @ unit.T
@@ -181,12 +180,18 @@ def _copies(sketches: Mapping[str, np.ndarray], flagged: Mapping[str, float]) ->
     if not flagged:
         return set()
     devices = list(sketches)
-    unit = np.stack([np.asarray(sketches[d], dtype=np.float32) for d in devices])
-    unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
-    rows = [devices.index(d) for d in flagged]
+    unit = _unit_rows(np.stack([np.asarray(sketches[d], dtype=np.float32) for d in devices]))
+    row_of = {d: i for i, d in enumerate(devices)}
+    rows = [row_of[d] for d in flagged]
     cosines = unit[rows] @ unit.T
     cosines[np.arange(len(rows)), rows] = -1.0  # not a copy of itself
     return {devices[r] for r, best in zip(rows, cosines.max(axis=1)) if best > COPY_COSINE}
+
+
+def _unit_rows(rows: np.ndarray) -> np.ndarray:
+    """`rows` scaled in place to unit length (a zero row stays zero), for cosines by dot products."""
+    rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+    return rows
 
 
 def _folded(sketch: np.ndarray) -> np.ndarray:
@@ -244,8 +249,7 @@ class Consensus:
         """Add the round's departures to the devices' paths; the round's devices whose path is too
         like another's, with that device and the cosine."""
         devices = list(sketches)
-        unit = np.stack([_folded(sketches[d]) for d in devices])
-        unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+        unit = _unit_rows(np.stack([_folded(sketches[d]) for d in devices]))
         departures = unit - unit.mean(axis=0)
         for device, departure in zip(devices, departures):
             self.paths[device] = self.paths.pop(device, 0) + departure  # re-inserted: most recently judged
@@ -257,8 +261,7 @@ class Consensus:
         judged = [d for d in devices if self.judged.get(d, 0) >= KIN_MIN_ROUNDS]  # pruned: forgotten
         if len(known) < 2 or not judged:
             return {}
-        paths = np.stack([self.paths[d] for d in known])
-        paths /= np.maximum(np.linalg.norm(paths, axis=1, keepdims=True), 1e-12)
+        paths = _unit_rows(np.stack([self.paths[d] for d in known]))
         row = {d: i for i, d in enumerate(known)}
         kin = {}
         for start in range(0, len(judged), CHUNK):

@@ -18,6 +18,7 @@ from broker_coordinator.engine.verdicts import Verdicts
 from broker_coordinator.reporting.metrics import Metrics
 from broker_coordinator.engine.rounds import Round
 from broker_coordinator.reporting.evaluation import federated_score
+from broker_coordinator.settings.choices import AGREEMENT_WINDOW
 from broker_coordinator.settings.round_settings import RoundRecord
 from edgefl_models.objectives import Evaluation, Objective
 
@@ -86,7 +87,7 @@ class RoundRecords:
             self.metrics.bounded.labels("norm").inc()
         for device, (distance, radius) in report.centered.items():
             log.debug("round %d: update from %s clipped towards the centre from distance %.4g to %.4g",
-                     rnd.number, device, distance, radius)
+                      rnd.number, device, distance, radius)
             self.metrics.bounded.labels("center").inc()
             rnd.device_metrics.setdefault(device, {})["clipped_center"] = f"{distance:.4g} -> {radius:.4g}"
         if report.centered:
@@ -98,7 +99,8 @@ class RoundRecords:
             log.info("round %d: update from %s points away from its round (median cosine %.3f with the "
                      "others): %s", rnd.number, device, cosine,
                      f"its weight from its next update on is {standing:.2f} of its claim" if standing < 1 else
-                     "noted; its weight stays whole unless it points away again within its next judged updates")
+                     f"noted; its weight falls at {self.consensus.flags_to_act} flags in its last "
+                     f"{AGREEMENT_WINDOW} judged updates")
             self.metrics.bounded.labels("disagreed").inc()
             rnd.device_metrics.setdefault(device, {})["disagreed"] = f"median cosine {cosine:.3f}"
         if report.disagreeing:
